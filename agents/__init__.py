@@ -1,0 +1,1 @@
+"""closedloop.agents"""

@@ -1,0 +1,88 @@
+"""The one model interface every backend implements.
+
+A backend turns (messages, tool schemas, sampling params) into a :class:`~closedloop.messages.Turn`:
+an assistant message plus, where the backend can give them, exact token ids, logprobs and a loss
+mask. Streaming yields text deltas and then the finished turn, so a caller that streams gets the
+same record as one that does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Literal, Union
+
+from pydantic import BaseModel, Field
+
+from closedloop.messages import Turn, _Message
+
+ToolChoice = Union[Literal["auto", "none", "required"], dict[str, Any]]
+
+
+class SamplingParams(BaseModel):
+    """Sampling settings shared by all backends (OpenAI names)."""
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(256, ge=1)
+    stop: list[str] | None = None
+    seed: int | None = None
+    logprobs: bool = True
+
+
+class ModelError(RuntimeError):
+    """A model call failed for a reason the caller cannot fix by retrying the same request."""
+
+
+class ModelUnavailableError(ModelError):
+    """The model server cannot be reached (dead, wrong address, still starting)."""
+
+
+@dataclass
+class TextDelta:
+    text: str
+
+
+@dataclass
+class TurnDone:
+    turn: Turn
+
+
+StreamEvent = Union[TextDelta, TurnDone]
+
+
+@dataclass
+class GenerateRequest:
+    messages: list[_Message]
+    tools: list[dict[str, Any]] | None = None
+    params: SamplingParams | None = None
+    tool_choice: ToolChoice | None = None
+
+
+class ModelClient(ABC):
+    """Async model client. Subclasses implement :meth:`generate`; streaming and batching have
+    defaults that backends with native support override."""
+
+    spec: str = ""
+
+    @abstractmethod
+    async def generate(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+                       params: SamplingParams | None = None, tool_choice: ToolChoice | None = None) -> Turn:
+        ...
+
+    async def stream(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+                     params: SamplingParams | None = None,
+                     tool_choice: ToolChoice | None = None) -> AsyncIterator[StreamEvent]:
+        turn = await self.generate(messages, tools, params, tool_choice)
+        if turn.message.text:
+            yield TextDelta(turn.message.text)
+        yield TurnDone(turn)
+
+    async def batch(self, requests: list[GenerateRequest]) -> list[Turn]:
+        """Generate many turns concurrently; backends batch them on the device."""
+        return list(await asyncio.gather(*(self.generate(r.messages, r.tools, r.params, r.tool_choice)
+                                           for r in requests)))
+
+    async def aclose(self) -> None:
+        return None

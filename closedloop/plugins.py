@@ -1,0 +1,29 @@
+"""Named things that live outside the core (graphs, tool modules, benchmark domains) are found
+through Python entry points, so the core never imports a paper, agent, graph or benchmark.
+
+A package (ours or a user's) declares ``[project.entry-points."closedloop.graphs"] name = "mod:fn"``.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
+GROUPS = ("closedloop.graphs", "closedloop.tools", "closedloop.domains")
+
+
+class PluginNotFound(KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message; show it plainly
+        return str(self.args[0])
+
+
+def available(group: str) -> dict[str, Any]:
+    """Entry points of a group by name (not loaded)."""
+    return {ep.name: ep for ep in entry_points(group=group)}
+
+
+def load(group: str, name: str) -> Callable[..., Any]:
+    eps = available(group)
+    if name not in eps:
+        raise PluginNotFound(f"no {group.split('.')[-1][:-1]} named {name!r}; available: {sorted(eps)}")
+    return eps[name].load()
