@@ -27,3 +27,18 @@ def load(group: str, name: str) -> Callable[..., Any]:
     if name not in eps:
         raise PluginNotFound(f"no {group.split('.')[-1][:-1]} named {name!r}; available: {sorted(eps)}")
     return eps[name].load()
+
+
+def tool_registry(modules: list[str] | None = None):
+    """A :class:`~closedloop.tool.ToolRegistry` holding the tools of the named tool modules
+    (entry points of ``closedloop.tools``; all of them when ``modules`` is None).
+
+    Each entry point names a list of :class:`~closedloop.tool.Tool` objects.
+    """
+    from closedloop.tool import ToolRegistry
+
+    registry = ToolRegistry()
+    names = modules if modules is not None else sorted(available("closedloop.tools"))
+    for name in names:
+        registry.extend(list(load("closedloop.tools", name)))
+    return registry

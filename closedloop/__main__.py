@@ -1,0 +1,5 @@
+import sys
+
+from closedloop.cli import main
+
+sys.exit(main())
