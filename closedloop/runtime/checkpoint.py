@@ -1,0 +1,65 @@
+"""Checkpointers that round-trip our pydantic types.
+
+LangGraph's serializer revives only allow-listed classes; anything else comes back as a dict
+(langgraph#7066) or, under ``LANGGRAPH_STRICT_MSGPACK``, is blocked. We list our state types
+explicitly instead of turning the allowlist off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+
+STATE_TYPES = [
+    ("closedloop.messages", "SystemMessage"),
+    ("closedloop.messages", "UserMessage"),
+    ("closedloop.messages", "AssistantMessage"),
+    ("closedloop.messages", "ToolMessage"),
+    ("closedloop.messages", "Turn"),
+    ("closedloop.messages", "Usage"),
+    ("closedloop.runtime.state", "ToolRecord"),
+]
+
+
+def serializer(extra: list[tuple[str, str]] | None = None) -> JsonPlusSerializer:
+    """A serializer that revives our state types (plus ``extra`` (module, class) pairs)."""
+    return JsonPlusSerializer(allowed_msgpack_modules=STATE_TYPES + list(extra or []))
+
+
+def make_checkpointer(kind: Literal["memory", "sqlite"] = "memory", path: str | Path | None = None,
+                      extra_types: list[tuple[str, str]] | None = None):
+    """An in-memory saver, or an async SQLite saver on ``path``.
+
+    The SQLite saver is returned as an async context manager (it owns a connection):
+    ``async with make_checkpointer("sqlite", p) as saver: graph = build(..., checkpointer=saver)``.
+    """
+    serde = serializer(extra_types)
+    if kind == "memory":
+        return InMemorySaver(serde=serde)
+    if kind == "sqlite":
+        if path is None:
+            raise ValueError("the sqlite checkpointer needs a path")
+        from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+
+        return _SqliteContext(str(path), serde)
+    raise ValueError(f"unknown checkpointer {kind!r}; use 'memory' or 'sqlite'")
+
+
+class _SqliteContext:
+    def __init__(self, path: str, serde: JsonPlusSerializer) -> None:
+        self.path, self.serde, self._cm = path, serde, None
+
+    async def __aenter__(self):
+        from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._cm = AsyncSqliteSaver.from_conn_string(self.path)
+        saver = await self._cm.__aenter__()
+        saver.serde = self.serde
+        return saver
+
+    async def __aexit__(self, *exc):
+        return await self._cm.__aexit__(*exc)

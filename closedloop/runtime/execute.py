@@ -1,0 +1,65 @@
+"""Run a compiled agent graph once: stream its events to a callback and record them as they happen.
+
+Recording happens per super-step (each node's update), not at the end, so a run killed midway
+keeps everything up to its last completed step in the run store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from closedloop.messages import Turn, _Message
+from closedloop.runtime.state import ToolRecord
+
+Event = tuple[str, Any]  # ("token", str) | ("message", Message) | ("tool", ToolRecord) | ("interrupt", value)
+
+
+class Recorder(Protocol):
+    """Receives what a graph adds, step by step (the run store implements this)."""
+
+    def record(self, messages: list[_Message], turns: list[Turn], tool_records: list[ToolRecord]) -> None: ...
+
+
+@dataclass
+class GraphRun:
+    """The outcome of one invocation: final state, and pending interrupts if it paused."""
+
+    state: dict[str, Any]
+    interrupts: list[Any] = field(default_factory=list)
+
+    @property
+    def paused(self) -> bool:
+        return bool(self.interrupts)
+
+
+async def run_graph(graph: Any, graph_input: Any, *, config: dict[str, Any] | None = None,
+                    on_event: Callable[[Event], None] | None = None, recorder: Recorder | None = None) -> GraphRun:
+    """Invoke ``graph`` with streaming; ``graph_input`` may be a state dict or a ``Command(resume=...)``."""
+    interrupts: list[Any] = []
+    state: dict[str, Any] = {}
+    emit = on_event or (lambda event: None)
+    async for mode, chunk in graph.astream(graph_input, config, stream_mode=["updates", "custom", "values"]):
+        if mode == "values":
+            state = dict(chunk)
+            continue
+        if mode == "custom":
+            if isinstance(chunk, dict) and "token" in chunk:
+                emit(("token", chunk["token"]))
+            continue
+        for node, update in chunk.items():
+            if node == "__interrupt__":
+                for item in update:
+                    interrupts.append(item.value)
+                    emit(("interrupt", item.value))
+                continue
+            if not isinstance(update, dict):
+                continue
+            messages = list(update.get("messages", []))
+            turns = list(update.get("turns", []))
+            records = list(update.get("tool_records", []))
+            for m in messages:
+                emit(("message", m))
+            if recorder is not None and (messages or turns or records):
+                recorder.record(messages, turns, records)
+    return GraphRun(state=state, interrupts=interrupts)

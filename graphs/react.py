@@ -1,0 +1,37 @@
+"""``react``: the reference tool-calling agent graph (model ⇄ tools until the model answers).
+
+Later agents reuse it by passing their own system prompt, tools and sampling, or by adding nodes
+around the same model and tool nodes.
+
+    START → model ──(tool calls?)──→ tools → model …
+                  └──(no calls / max_turns)──→ END
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection
+
+from langgraph.graph import END, START, StateGraph
+
+from closedloop.models.base import ModelClient, SamplingParams
+from closedloop.runtime import AgentState, make_model_node, make_tool_node, route_after_model
+from closedloop.tool import ToolRegistry
+
+DEFAULT_SYSTEM_PROMPT = ("You are a helpful assistant. Use the tools when they help; "
+                         "answer the user directly when you have what you need.")
+
+
+def build_react_graph(client: ModelClient, tools: ToolRegistry | None = None, *,
+                      system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, params: SamplingParams | None = None,
+                      max_turns: int = 8, approve: bool | Collection[str] = False,
+                      stream_tokens: bool = False, checkpointer: Any = None):
+    """Compile the react graph. ``approve`` pauses before the named (or all) tool calls."""
+    tools = tools or ToolRegistry()
+    graph = StateGraph(AgentState)
+    graph.add_node("model", make_model_node(client, tools, system_prompt=system_prompt, params=params,
+                                            stream_tokens=stream_tokens))
+    graph.add_node("tools", make_tool_node(tools, approve=approve))
+    graph.add_edge(START, "model")
+    graph.add_conditional_edges("model", route_after_model(max_turns), {"tools": "tools", END: END})
+    graph.add_edge("tools", "model")
+    return graph.compile(checkpointer=checkpointer, name="react")
