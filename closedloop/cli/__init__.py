@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["run", "graphs", "serve", "model", "runs", "tools"]
+COMMANDS = ["run", "graphs", "serve", "model", "runs", "eval"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -41,7 +41,7 @@ async def run_graph(graph: Any, graph_input: Any, *, config: dict[str, Any] | No
     emit = on_event or (lambda event: None)
     async for mode, chunk in graph.astream(graph_input, config, stream_mode=["updates", "custom", "values"]):
         if mode == "values":
-            state = dict(chunk)
+            state = {k: v for k, v in chunk.items() if not k.startswith("__")}
             continue
         if mode == "custom":
             if isinstance(chunk, dict) and "token" in chunk:

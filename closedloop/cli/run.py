@@ -1,0 +1,172 @@
+"""``closedloop run GRAPH --model SPEC [--input TEXT]``: run an agent graph once, or a REPL.
+
+With ``--input`` the graph runs once and prints the answer; without it, an interactive session
+streams tokens, shows each tool call and result, and asks before tools that need approval. Every
+run is recorded in the run store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import uuid
+from typing import Any
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.prompt import Confirm
+
+from closedloop import plugins
+from closedloop.messages import AssistantMessage, ToolMessage, UserMessage
+from closedloop.models import SamplingParams, make_client
+from closedloop.runtime import make_checkpointer
+from closedloop.runtime.execute import GraphRun, run_graph
+
+console = Console()
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run an agent graph once, or interactively without --input")
+    p.add_argument("graph", help="a registered graph (see `closedloop graphs`)")
+    p.add_argument("--model", required=True, help="model spec: openai:<model>[@<url>], hf:<path>, vllm:<path>")
+    p.add_argument("--input", help="the user message; omit for an interactive session")
+    p.add_argument("--tools", default="arithmetic", help="comma-separated tool modules (`closedloop tools`); '' for none")
+    p.add_argument("--system", help="system prompt (default: the graph's)")
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--approve", nargs="?", const="*", default=None,
+                   help="ask before running tools: all (no value) or a comma-separated list")
+    p.add_argument("--checkpoint", help="SQLite file for LangGraph checkpoints (resumable with --thread)")
+    p.add_argument("--thread", help="thread id to resume or continue (needs --checkpoint)")
+    p.add_argument("--store", help="run store file (default: $CLOSEDLOOP_STORE or ~/.closedloop/runs.duckdb)")
+    p.add_argument("--no-store", action="store_true", help="do not record the run")
+    p.add_argument("--no-stream", action="store_true", help="do not stream tokens")
+    p.set_defaults(func=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    return asyncio.run(_run(args))
+
+
+def _approve_option(value: str | None) -> bool | list[str]:
+    if value is None:
+        return False
+    return True if value == "*" else [v for v in value.split(",") if v]
+
+
+async def _run(args: argparse.Namespace) -> int:
+    factory = plugins.load("closedloop.graphs", args.graph)
+    tools = plugins.tool_registry([m for m in args.tools.split(",") if m]) if args.tools else None
+    client = make_client(args.model)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    options: dict[str, Any] = dict(params=params, max_turns=args.max_turns, approve=_approve_option(args.approve),
+                                   stream_tokens=not args.no_stream)
+    if args.system:
+        options["system_prompt"] = args.system
+    thread = args.thread or uuid.uuid4().hex
+    config = {"configurable": {"thread_id": thread}}
+    store, run_id = _open_run(args, thread)
+    status, outcome, error = "failed", {}, None
+    try:
+        saver_cm = make_checkpointer("sqlite", args.checkpoint) if args.checkpoint else None
+        saver = await saver_cm.__aenter__() if saver_cm else make_checkpointer("memory")
+        try:
+            graph = factory(client, tools, checkpointer=saver, **options)
+            recorder = store.recorder(run_id) if store else None
+            if args.input is not None:
+                result = await _turn(graph, {"messages": [UserMessage(content=args.input)]}, config, recorder)
+            else:
+                result = await _repl(graph, config, recorder)
+            final = _final_answer(result)
+            outcome = {"answer": final, "thread_id": thread}
+            status = "completed"
+            if args.input is not None:
+                console.print(Panel(final or "(no answer)", title="answer", border_style="green"))
+        finally:
+            if saver_cm:
+                await saver_cm.__aexit__(None, None, None)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        status = "interrupted"
+        raise
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+        console.print(f"[red]error:[/red] {error}")
+        return 1
+    finally:
+        if store:
+            store.finish_run(run_id, status=status, outcome=outcome, error=error)
+            console.print(f"[dim]run {run_id} recorded in {store.path} (thread {thread})[/dim]")
+        await client.aclose()
+    return 0
+
+
+def _open_run(args: argparse.Namespace, thread: str):
+    if args.no_store:
+        return None, None
+    from closedloop.store import RunStore
+
+    store = RunStore(args.store) if args.store else RunStore()
+    config = {k: v for k, v in vars(args).items() if k not in {"func", "input"}}
+    run_id = store.start_run(kind="run", graph=args.graph, model_spec=args.model, config=config,
+                             metadata={"thread_id": thread})
+    return store, run_id
+
+
+async def _turn(graph: Any, graph_input: Any, config: dict, recorder: Any) -> GraphRun:
+    """Run until the graph ends, asking the user about each pending approval."""
+    from langgraph.types import Command
+
+    streaming = {"open": False}
+
+    def on_event(event: tuple[str, Any]) -> None:
+        kind, payload = event
+        if kind == "token":
+            console.print(payload, end="", markup=False, highlight=False)
+            streaming["open"] = True
+            return
+        if streaming["open"]:
+            console.print()
+            streaming["open"] = False
+        if kind == "message" and isinstance(payload, AssistantMessage) and payload.tool_calls:
+            for call in payload.tool_calls:
+                console.print(f"[cyan]→ {call.name}[/cyan]({call.function.arguments})")
+        elif kind == "message" and isinstance(payload, ToolMessage):
+            style = "red" if payload.error else "green"
+            console.print(f"[{style}]← {payload.name}: {payload.text[:500]}[/{style}]")
+
+    result = await run_graph(graph, graph_input, config=config, on_event=on_event, recorder=recorder)
+    while result.paused:
+        decisions = {}
+        for req in result.interrupts:
+            ok = Confirm.ask(f"run [cyan]{req.get('name')}[/cyan]({req.get('arguments')})?", default=True)
+            decisions = ok
+        result = await run_graph(graph, Command(resume=decisions), config=config, on_event=on_event,
+                                 recorder=recorder)
+    if streaming["open"]:
+        console.print()
+    return result
+
+
+async def _repl(graph: Any, config: dict, recorder: Any) -> GraphRun:
+    console.print("[bold]closedloop[/bold] interactive session — empty line or Ctrl-D to quit")
+    result = GraphRun(state={})
+    while True:
+        try:
+            text = console.input("[bold blue]you> [/bold blue]")
+        except EOFError:
+            break
+        if not text.strip():
+            break
+        result = await _turn(graph, {"messages": [UserMessage(content=text)]}, config, recorder)
+    return result
+
+
+def _final_answer(result: GraphRun) -> str:
+    for m in reversed(result.state.get("messages", [])):
+        if isinstance(m, AssistantMessage) and not m.tool_calls:
+            return m.text
+    return ""
+
+

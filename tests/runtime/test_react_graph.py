@@ -1,0 +1,104 @@
+"""The react graph with a scripted model: control flow, error handling, approvals, checkpoints.
+
+A scripted model is used here on purpose (control flow only); the same graph runs against the
+real tiny model behind a real HTTP server in tests/test_end_to_end.py.
+"""
+
+import uuid
+
+from langgraph.types import Command
+
+from closedloop.graphs.react import build_react_graph
+from closedloop.messages import AssistantMessage, SystemMessage, ToolCall, ToolMessage, UserMessage
+from closedloop.models.scripted import ScriptedClient
+from closedloop.plugins import tool_registry
+from closedloop.runtime import make_checkpointer
+from closedloop.runtime.execute import run_graph
+
+
+def _calc_script(*args_list):
+    return [AssistantMessage(tool_calls=[ToolCall.make("add", a)]) for a in args_list] + [AssistantMessage(content="done")]
+
+
+async def test_tool_round_trip_records_turns_and_tool_records():
+    client = ScriptedClient(_calc_script({"a": 3, "b": 4}))
+    graph = build_react_graph(client, tool_registry(["arithmetic"]), system_prompt="be brief")
+    out = await graph.ainvoke({"messages": [UserMessage(content="3+4?")]})
+    roles = [m.role for m in out["messages"]]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    assert out["messages"][2].content == "7.0"
+    assert len(out["turns"]) == 2 and out["tool_records"][0].turn_idx == 0
+    # the system prompt is sent to the model but not stored twice in the state
+    assert isinstance(client.calls[0][0], SystemMessage) and client.calls[0][0].content == "be brief"
+    assert isinstance(client.calls[1][-1], ToolMessage)
+
+
+async def test_bad_tool_calls_go_back_to_the_model_and_the_run_continues():
+    script = [AssistantMessage(tool_calls=[ToolCall.make("add", '{"a": 1'), ToolCall.make("add", {"a": "x", "b": 1}),
+                                           ToolCall.make("nosuch", {})]),
+              AssistantMessage(content="sorry")]
+    client = ScriptedClient(script)
+    out = await build_react_graph(client, tool_registry(["arithmetic"])).ainvoke({"messages": [UserMessage(content="go")]})
+    kinds = [r.error_kind for r in out["tool_records"]]
+    assert kinds == ["malformed_json", "invalid_arguments", "unknown_tool"]
+    seen_by_model = client.calls[1][-3:]
+    assert all(isinstance(m, ToolMessage) and m.content.startswith("Error:") for m in seen_by_model)
+    assert out["messages"][-1].content == "sorry"
+
+
+async def test_max_turns_stops_a_looping_model():
+    client = ScriptedClient([AssistantMessage(tool_calls=[ToolCall.make("add", {"a": 1, "b": 1})])], cycle=True)
+    out = await build_react_graph(client, tool_registry(["arithmetic"]), max_turns=3).ainvoke(
+        {"messages": [UserMessage(content="loop")]})
+    assert len(out["turns"]) == 3 and len(client.calls) == 3
+
+
+async def test_approval_interrupt_survives_a_restart_with_sqlite(tmp_path):
+    """Pause on approval, drop everything, rebuild from the SQLite file, resume by thread id."""
+    db = tmp_path / "ck.sqlite"
+    thread = {"configurable": {"thread_id": uuid.uuid4().hex}}
+    script = _calc_script({"a": 2, "b": 5})
+    async with make_checkpointer("sqlite", db) as saver:
+        graph = build_react_graph(ScriptedClient(script), tool_registry(["arithmetic"]), approve=["add"],
+                                  checkpointer=saver)
+        first = await run_graph(graph, {"messages": [UserMessage(content="2+5?")]}, config=thread)
+    assert first.paused and first.interrupts[0]["name"] == "add"
+    assert not first.state.get("tool_records")  # nothing ran before approval
+
+    # a new process: new client (continuing the script), new saver on the same file
+    client = ScriptedClient(script[1:])
+    async with make_checkpointer("sqlite", db) as saver:
+        graph = build_react_graph(client, tool_registry(["arithmetic"]), approve=["add"], checkpointer=saver)
+        state = await graph.aget_state(thread)
+        assert isinstance(state.values["messages"][-1], AssistantMessage)  # typed objects revived
+        done = await run_graph(graph, Command(resume=True), config=thread)
+    assert not done.paused
+    assert [m.role for m in done.state["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert done.state["messages"][2].content == "7.0"
+
+
+async def test_rejected_call_is_reported_to_the_model():
+    saver = make_checkpointer("memory")
+    thread = {"configurable": {"thread_id": "t"}}
+    client = ScriptedClient(_calc_script({"a": 1, "b": 1}))
+    graph = build_react_graph(client, tool_registry(["arithmetic"]), approve=True, checkpointer=saver)
+    paused = await run_graph(graph, {"messages": [UserMessage(content="1+1")]}, config=thread)
+    assert paused.paused
+    done = await run_graph(graph, Command(resume={"approve": False, "reason": "not now"}), config=thread)
+    rec = done.state["tool_records"][0]
+    assert rec.error_kind == "rejected" and "not now" in rec.content
+
+
+async def test_streamed_tokens_and_recorder_see_every_step():
+    events, recorded = [], []
+
+    class Rec:
+        def record(self, messages, turns, tool_records):
+            recorded.append((len(messages), len(turns), len(tool_records)))
+
+    client = ScriptedClient(_calc_script({"a": 1, "b": 2}))
+    graph = build_react_graph(client, tool_registry(["arithmetic"]), stream_tokens=True)
+    result = await run_graph(graph, {"messages": [UserMessage(content="1+2")]}, on_event=events.append, recorder=Rec())
+    assert ("token", "done") in events
+    assert recorded == [(1, 1, 0), (1, 0, 1), (1, 1, 0)]
+    assert result.state["messages"][-1].content == "done"
