@@ -1,0 +1,82 @@
+"""A frozen scorer of goals: log p_φ(g | conversation) by teacher forcing.
+
+The conversation is rendered with the scorer's chat template, followed by a fixed request to state
+the user's goal and the start of the answer; the goal string's tokens are then scored one by one
+(sum of their log-probabilities). The scorer is a *snapshot*: its parameters are copied and
+frozen at construction, so a policy update (even to the model it was copied from) cannot change
+the reward it computes.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from closedloop.messages import _Message
+
+GOAL_REQUEST = "Summarise what the user wants, as one line."
+GOAL_PREFIX = "The user's goal: "
+
+
+class GoalScorer:
+    def __init__(self, model, tokenizer, *, device: str | None = None, max_batch: int = 16) -> None:
+        self.model = copy.deepcopy(model)  # a snapshot: later updates to `model` do not reach us
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.device = device or next(self.model.parameters()).device
+        self.model.to(self.device)
+        self.max_batch = max_batch
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs) -> "GoalScorer":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        return cls(model, AutoTokenizer.from_pretrained(str(path)), **kwargs)
+
+    def _context_ids(self, messages: Sequence[_Message]) -> list[int]:
+        chat = [m.to_openai() for m in messages if m.role != "tool"] + [{"role": "user", "content": GOAL_REQUEST}]
+        for m in chat:  # scorers see text only
+            if not isinstance(m.get("content"), str):
+                m["content"] = "".join(p.get("text", "") for p in m.get("content") or [])
+            m.pop("tool_calls", None)
+        text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text + GOAL_PREFIX, add_special_tokens=False)["input_ids"]
+
+    @torch.no_grad()
+    def logprob(self, messages: Sequence[_Message], goal: str) -> float:
+        return self.logprobs([messages], [goal])[0]
+
+    @torch.no_grad()
+    def logprobs(self, conversations: Sequence[Sequence[_Message]], goals: Sequence[str]) -> list[float]:
+        """Sum of log p(goal tokens | context) for each (conversation, goal) pair, batched."""
+        if len(conversations) != len(goals):
+            raise ValueError("one goal per conversation")
+        out: list[float] = []
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        for start in range(0, len(goals), self.max_batch):
+            rows = []
+            for conv, goal in zip(conversations[start:start + self.max_batch], goals[start:start + self.max_batch]):
+                ctx = self._context_ids(conv)
+                tgt = self.tokenizer(goal, add_special_tokens=False)["input_ids"]
+                if not tgt:
+                    raise ValueError("the goal string is empty")
+                rows.append((ctx, tgt))
+            width = max(len(c) + len(t) for c, t in rows)
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for i, (c, t) in enumerate(rows):  # right padding: positions stay 0..n-1
+                seq = torch.tensor(c + t)
+                ids[i, : len(seq)] = seq
+                attn[i, : len(seq)] = 1
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits.float()
+            logp = torch.log_softmax(logits, dim=-1)  # (B, T, V)
+            for i, (c, t) in enumerate(rows):
+                pos = torch.arange(len(c) - 1, len(c) + len(t) - 1)  # position predicting each goal token
+                out.append(float(logp[i, pos, torch.tensor(t)].sum()))
+        return out

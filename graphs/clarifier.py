@@ -1,0 +1,118 @@
+"""``clarifier``: the react agent with an information-gain clarification gate in front.
+
+Before acting on a new user message, the graph forms a belief over candidate goals (proposed by
+the policy model, or given by the caller) with a frozen scorer, and asks one clarifying question
+when the belief is uncertain; otherwise it proceeds exactly like ``react``.
+
+    START → assess ──(uncertain, budget left)──→ ask → END   (the question goes to the user)
+                   └──(confident)──→ model ⇄ tools → END
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Collection, Sequence
+
+from langgraph.graph import END, START, StateGraph
+
+from closedloop.agents.clarifier.belief import BeliefTracker, should_ask
+from closedloop.agents.clarifier.scorer import GoalScorer
+from closedloop.graphs.react import DEFAULT_SYSTEM_PROMPT
+from closedloop.messages import AssistantMessage, SystemMessage, UserMessage, _Message
+from closedloop.models.base import ModelClient, SamplingParams
+from closedloop.runtime import AgentState, make_model_node, make_tool_node, route_after_model
+from closedloop.tool import ToolRegistry
+
+Candidates = Callable[[Sequence[_Message]], Sequence[str]]
+
+PROPOSE_PROMPT = ("List up to {k} distinct, specific goals the user might have given the conversation so far, "
+                  "one per line, no numbering.")
+ASK_PROMPT = ("The user's request is ambiguous between these goals:\n{goals}\n"
+              "Ask the user one short question that tells them apart.")
+
+
+def _lines(text: str, k: int) -> list[str]:
+    out = []
+    for line in text.splitlines():
+        line = re.sub(r"^\s*(?:[-*•]|\d+[.)])\s*", "", line).strip()
+        if line and line not in out:
+            out.append(line)
+    return out[:k]
+
+
+def propose_with_model(client: ModelClient, k: int = 4, params: SamplingParams | None = None) -> Any:
+    """A candidate generator that asks the policy model itself."""
+
+    async def propose(messages: Sequence[_Message]) -> list[str]:
+        ask = list(messages) + [UserMessage(content=PROPOSE_PROMPT.format(k=k))]
+        turn = await client.generate(ask, None, params or SamplingParams(temperature=0.0, max_tokens=96))
+        return _lines(turn.message.text, k)
+
+    return propose
+
+
+def build_clarifier_graph(client: ModelClient, tools: ToolRegistry | None = None, *,
+                          scorer: GoalScorer | None = None, candidates: Candidates | None = None,
+                          threshold: float = 0.5, budget: int = 1, belief_temperature: float = 1.0,
+                          system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, params: SamplingParams | None = None,
+                          max_turns: int = 8, approve: bool | Collection[str] = False,
+                          stream_tokens: bool = False, checkpointer: Any = None):
+    """Compile the clarifier. Without ``scorer``, an ``hf:`` client's own model is snapshotted."""
+    tools = tools or ToolRegistry()
+    if scorer is None:
+        if not (hasattr(client, "model") and hasattr(client, "tokenizer")):
+            raise ValueError("the clarifier needs a scorer: pass scorer=GoalScorer.from_pretrained(path) "
+                             "(only hf: clients can lend their own model)")
+        scorer = GoalScorer(client.model, client.tokenizer)
+    tracker = BeliefTracker(scorer, temperature=belief_temperature)
+    propose = candidates or propose_with_model(client, params=None)
+
+    async def assess(state: AgentState) -> dict[str, Any]:
+        scratch = dict(state.get("scratch") or {})
+        messages = state.get("messages", [])
+        asked = int(scratch.get("asked", 0))
+        if not messages or not isinstance(messages[-1], UserMessage) or asked >= budget:
+            scratch["decision"] = "proceed"
+            return {"scratch": scratch}
+        context = ([SystemMessage(content=system_prompt)] if system_prompt else []) + list(messages)
+        goals = propose(context)
+        goals = list(await goals) if hasattr(goals, "__await__") else list(goals)
+        if len(goals) < 2:
+            scratch.update(decision="proceed", belief={g: 1.0 for g in goals})
+            return {"scratch": scratch}
+        belief = tracker.belief(context, goals)
+        ask = should_ask(belief, threshold=threshold, asked=asked, budget=budget)
+        scratch.update(decision="ask" if ask else "proceed", belief=belief.as_dict(),
+                       entropy=belief.normalized_entropy)
+        return {"scratch": scratch}
+
+    async def ask(state: AgentState) -> dict[str, Any]:
+        scratch = dict(state["scratch"])
+        goals = "\n".join(f"- {g}" for g in scratch["belief"])
+        messages = list(state.get("messages", [])) + [UserMessage(content=ASK_PROMPT.format(goals=goals))]
+        turn = await client.generate(messages, None, params)
+        if not turn.message.tool_calls and turn.message.text.strip().endswith("?"):
+            message = AssistantMessage(content=turn.message.text.strip())
+        else:
+            # The model did not produce a question: ask from a template, and drop the token record,
+            # since these words were not generated by the model and must not be trained on.
+            options = " or ".join(list(scratch["belief"])[:3])
+            message = AssistantMessage(content=f"Could you tell me which you mean: {options}?")
+            turn = turn.model_copy(update={"prompt_ids": None, "completion_ids": None, "logprobs": None,
+                                           "loss_mask": None})
+        scratch["asked"] = int(scratch.get("asked", 0)) + 1
+        return {"messages": [message], "turns": [turn.model_copy(update={"message": message})], "scratch": scratch}
+
+    graph = StateGraph(AgentState)
+    graph.add_node("assess", assess)
+    graph.add_node("ask", ask)
+    graph.add_node("model", make_model_node(client, tools, system_prompt=system_prompt, params=params,
+                                            stream_tokens=stream_tokens))
+    graph.add_node("tools", make_tool_node(tools, approve=approve))
+    graph.add_edge(START, "assess")
+    graph.add_conditional_edges("assess", lambda s: "ask" if s["scratch"]["decision"] == "ask" else "model",
+                                {"ask": "ask", "model": "model"})
+    graph.add_edge("ask", END)
+    graph.add_conditional_edges("model", route_after_model(max_turns), {"tools": "tools", END: END})
+    graph.add_edge("tools", "model")
+    return graph.compile(checkpointer=checkpointer, name="clarifier")
