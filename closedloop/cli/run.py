@@ -21,6 +21,7 @@ from closedloop.messages import AssistantMessage, ToolMessage, UserMessage
 from closedloop.models import SamplingParams, make_client
 from closedloop.runtime import make_checkpointer
 from closedloop.runtime.execute import GraphRun, run_graph
+from closedloop.runtime.recording import StoreRecorder
 
 console = Console()
 
@@ -74,7 +75,7 @@ async def _run(args: argparse.Namespace) -> int:
         saver = await saver_cm.__aenter__() if saver_cm else make_checkpointer("memory")
         try:
             graph = factory(client, tools, checkpointer=saver, **options)
-            recorder = store.recorder(run_id) if store else None
+            recorder = StoreRecorder(store, run_id) if store else None
             if args.input is not None:
                 result = await _turn(graph, {"messages": [UserMessage(content=args.input)]}, config, recorder)
             else:

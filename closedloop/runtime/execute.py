@@ -39,6 +39,8 @@ async def run_graph(graph: Any, graph_input: Any, *, config: dict[str, Any] | No
     interrupts: list[Any] = []
     state: dict[str, Any] = {}
     emit = on_event or (lambda event: None)
+    if recorder is not None and isinstance(graph_input, dict) and graph_input.get("messages"):
+        recorder.record(list(graph_input["messages"]), [], [])  # the input is part of the run too
     async for mode, chunk in graph.astream(graph_input, config, stream_mode=["updates", "custom", "values"]):
         if mode == "values":
             state = {k: v for k, v in chunk.items() if not k.startswith("__")}

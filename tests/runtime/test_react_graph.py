@@ -100,5 +100,5 @@ async def test_streamed_tokens_and_recorder_see_every_step():
     graph = build_react_graph(client, tool_registry(["arithmetic"]), stream_tokens=True)
     result = await run_graph(graph, {"messages": [UserMessage(content="1+2")]}, on_event=events.append, recorder=Rec())
     assert ("token", "done") in events
-    assert recorded == [(1, 1, 0), (1, 0, 1), (1, 1, 0)]
+    assert recorded == [(1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 0)]  # input, model, tools, model
     assert result.state["messages"][-1].content == "done"

@@ -1,0 +1,171 @@
+"""``closedloop runs``: list, show, export and prune the run store.
+
+Reads go through :class:`~closedloop.store.RunStore`, which opens the file only per operation, so
+these commands work while an evaluation in another process is writing to the same store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from datetime import timedelta
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from closedloop.store import TERMINAL_STATUSES, RunNotFoundError, RunRecord, RunStore, RunSummary
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+_STATUS_STYLE = {"running": "cyan", "completed": "green", "failed": "red", "killed": "magenta", "interrupted": "yellow"}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``45s`` (a bare number is rejected: the unit is too easy to guess wrong)."""
+    m = _DURATION.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: use a number with s, m, h or d, e.g. 30d")
+    return timedelta(**{_UNITS[m.group(2)]: float(m.group(1))})
+
+
+def _console() -> Console:
+    # Tables wider than 80 columns stay readable when piped or captured.
+    return Console(width=None if sys.stdout.isatty() else 160, highlight=False)
+
+
+def _store(args: argparse.Namespace) -> RunStore:
+    return RunStore(args.store)
+
+
+def _fmt_time(ts) -> str:
+    return ts.strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def _fmt_cost(cost: float | None) -> str:
+    return "-" if cost is None else f"${cost:.4f}"
+
+
+def _fmt_duration(run: RunSummary) -> str:
+    d = run.duration_s
+    return "-" if d is None else f"{d:.1f}s"
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    store = _store(args)
+    runs = store.list_runs(limit=args.limit, status=args.status, graph=args.graph, kind=args.kind)
+    if args.json:
+        print(json.dumps([r.model_dump(mode="json") for r in runs], indent=2))
+        return 0
+    table = Table(title=f"runs ({len(runs)})", caption=escape(str(store.path)))
+    for col in ("id", "kind", "graph", "model", "status", "started (UTC)", "duration", "tokens in/out", "cost"):
+        table.add_column(col, no_wrap=col in ("id", "status"))
+    for r in runs:
+        style = _STATUS_STYLE.get(r.status, "")
+        table.add_row(r.id[:12], escape(r.kind), escape(r.graph or "-"), escape(r.model_spec or "-"), f"[{style}]{r.status}[/]",
+                      _fmt_time(r.started_at), _fmt_duration(r), f"{r.prompt_tokens}/{r.completion_tokens}",
+                      _fmt_cost(r.cost_usd))
+    _console().print(table)
+    return 0
+
+
+def _show(run: RunRecord, console: Console) -> None:
+    console.print(f"[bold]run {run.id}[/]  kind={escape(run.kind)}  graph={escape(run.graph or '-')}  "
+                  f"model={escape(run.model_spec or '-')}")
+    console.print(f"status: [{_STATUS_STYLE.get(run.status, '')}]{run.status}[/]  pid={run.pid}@{run.hostname}  "
+                  f"started {_fmt_time(run.started_at)}  ended {_fmt_time(run.ended_at)}  duration {_fmt_duration(run)}")
+    console.print(f"tokens: {run.prompt_tokens} prompt / {run.completion_tokens} completion  cost {_fmt_cost(run.cost_usd)}")
+    if run.tags:
+        console.print(f"tags: {', '.join(run.tags)}", markup=False)
+    if run.config:
+        console.print(f"config: {json.dumps(run.config)}", markup=False)
+
+    console.rule(f"messages ({len(run.messages)})")
+    for i, m in enumerate(run.messages):
+        extra = ""
+        if getattr(m, "tool_calls", None):
+            extra = "  -> " + ", ".join(f"{c.name}({c.function.arguments})" for c in m.tool_calls)
+        console.print(f"{i:>3} {m.role}: {m.text}{extra}", markup=False)
+
+    table = Table(title=f"turns ({len(run.turns)})")
+    for col in ("#", "model", "prompt tok", "completion tok", "token ids", "finish", "latency", "cost"):
+        table.add_column(col)
+    for i, t in enumerate(run.turns):
+        table.add_row(str(i), escape(t.model or "-"), str(t.usage.prompt_tokens), str(t.usage.completion_tokens),
+                      "yes" if t.has_tokens else "no", escape(t.finish_reason or "-"),
+                      "-" if t.latency_s is None else f"{t.latency_s:.3f}s", _fmt_cost(t.usage.cost_usd))
+    console.print(table)
+
+    table = Table(title=f"tool calls ({len(run.tool_calls)})")
+    for col in ("#", "turn", "name", "arguments", "latency", "result / error"):
+        table.add_column(col, overflow="fold")
+    for c in run.tool_calls:
+        shown = f"[red]{escape(f'{c.error_kind}: {c.error}'[:500])}[/]" if c.error else escape((c.result or "")[:500])
+        table.add_row(str(c.idx), "-" if c.turn_idx is None else str(c.turn_idx), escape(c.name),
+                      escape(c.arguments or ""), "-" if c.latency_s is None else f"{c.latency_s:.3f}s", shown)
+    console.print(table)
+
+    console.rule("outcome")
+    console.print(json.dumps(run.outcome, indent=2) if run.outcome is not None else "-", markup=False)
+    if run.error:
+        console.rule("error")
+        console.print(run.error, markup=False)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    try:
+        run = _store(args).get_run(args.id)
+    except RunNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(run.model_dump_json(indent=2))
+    else:
+        _show(run, _console())
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    paths = _store(args).export_parquet(args.parquet)
+    for table, path in paths.items():
+        print(f"{table}: {path}")
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    count = _store(args).delete_older_than(args.older_than)
+    print(f"deleted {count} run(s) that ended more than {args.older_than} ago")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--store", default=None, metavar="PATH",
+                        help="DuckDB file (default: $CLOSEDLOOP_STORE or ~/.closedloop/runs.duckdb)")
+
+    p = sub.add_parser("runs", help="list, show, export and prune recorded runs")
+    runs_sub = p.add_subparsers(dest="runs_command", required=True)
+
+    ls = runs_sub.add_parser("list", parents=[common], help="recent runs, newest first")
+    ls.add_argument("--limit", type=int, default=20)
+    ls.add_argument("--status", choices=("running",) + TERMINAL_STATUSES)
+    ls.add_argument("--graph")
+    ls.add_argument("--kind", help="run, eval, train, ...")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ls.set_defaults(func=cmd_list)
+
+    show = runs_sub.add_parser("show", parents=[common], help="one run: messages, turns, tool calls, outcome")
+    show.add_argument("id", help="run id or a unique prefix of it")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(func=cmd_show)
+
+    export = runs_sub.add_parser("export", parents=[common], help="write every table as Parquet")
+    export.add_argument("--parquet", required=True, metavar="DIR")
+    export.set_defaults(func=cmd_export)
+
+    prune = runs_sub.add_parser("prune", parents=[common], help="delete finished runs older than a duration")
+    prune.add_argument("--older-than", required=True, type=parse_duration, metavar="DURATION",
+                       help="e.g. 30d, 12h, 90m, 45s")
+    prune.set_defaults(func=cmd_prune)
