@@ -1,0 +1,169 @@
+"""Finding a domain's files under a tau2 data root and loading them.
+
+A data root is a folder holding ``tau2/domains/<name>/`` (tau2-bench's ``data`` folder, or
+``shared/anchors``). It comes from the caller (``--data-dir``) or, failing that, the
+``TAU2_DATA_DIR`` environment variable, as in tau2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from closedloop.evals.tau.data_model import Task
+from closedloop.evals.tau.domains.base import TauDB
+from closedloop.evals.tau.domains.registry import Domain, get_domain
+from closedloop.evals.tau.environment import Environment
+
+__all__ = ["DATA_DIR_ENV", "TauDataError", "resolve_data_root", "TaskSet", "DomainData", "load_domain"]
+
+DATA_DIR_ENV = "TAU2_DATA_DIR"
+
+
+class TauDataError(FileNotFoundError):
+    """The data root, a domain folder or one of its files is missing or malformed."""
+
+
+def resolve_data_root(data_dir: str | Path | None = None) -> Path:
+    raw = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV)
+    if raw is None:
+        raise TauDataError(f"no τ data root: pass data_dir (--data-dir) or set {DATA_DIR_ENV} to a folder "
+                           f"containing tau2/domains/<name>/")
+    root = Path(raw).expanduser()
+    if not (root / "tau2" / "domains").is_dir():
+        raise TauDataError(f"{root} is not a τ data root: {root / 'tau2' / 'domains'} does not exist")
+    return root
+
+
+@dataclass
+class TaskSet:
+    """Tasks of one split, with the content hash of the file they came from."""
+
+    domain: str
+    split: str | None
+    tasks: list[Task]
+    sha256: str
+    path: Path
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def by_id(self) -> dict[str, Task]:
+        return {t.id: t for t in self.tasks}
+
+
+def _find(folder: Path, stems: tuple[str, ...]) -> Path | None:
+    for stem in stems:
+        for ext in (".json", ".toml"):
+            if (folder / f"{stem}{ext}").is_file():
+                return folder / f"{stem}{ext}"
+    return None
+
+
+@dataclass
+class DomainData:
+    """One domain's code and files; makes fresh environments and loads task splits."""
+
+    domain: Domain
+    folder: Path
+    _db_raw: dict | None = field(default=None, repr=False)
+    _user_db_raw: dict | None = field(default=None, repr=False)
+    _db_sha: str | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.domain.name
+
+    @property
+    def policy(self) -> str:
+        path = self.folder / self.domain.policy_file
+        if not path.is_file():
+            raise TauDataError(f"policy file {path} is missing")
+        return path.read_text()
+
+    def _load_db(self, model: type[TauDB], stem: str, cache_attr: str) -> TauDB:
+        path = _find(self.folder, (stem,))
+        if path is None:
+            raise TauDataError(f"{self.folder} has no {stem}.json or {stem}.toml")
+        if path.suffix == ".toml":
+            return model.load(path)
+        # The parsed JSON is kept and validated anew per environment: validation builds new
+        # containers all the way down, so environments never share mutable state, and it is
+        # about twice as fast as re-parsing the file.
+        raw = getattr(self, cache_attr)
+        if raw is None:
+            raw = json.loads(path.read_bytes())
+            setattr(self, cache_attr, raw)
+        return model.model_validate(raw)
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        """Names this data for caches of derived states (gold replays): folder and DB content."""
+        if self._db_sha is None:
+            path = _find(self.folder, ("db",))
+            self._db_sha = hashlib.sha256(path.read_bytes()).hexdigest() if path is not None else ""
+        return (str(self.folder.resolve()), self._db_sha)
+
+    def make_environment(self) -> Environment:
+        """A fresh environment on the pristine DB (each call parses its own copy)."""
+        db = self._load_db(self.domain.db_model, "db", "_db_raw")
+        user_db = None
+        if self.domain.user_db_model is not None:
+            user_db = self._load_db(self.domain.user_db_model, "user_db", "_user_db_raw")
+        policy = self.policy if (self.folder / self.domain.policy_file).is_file() else ""
+        return Environment(self.domain, db, user_db=user_db, policy=policy)
+
+    def environment_factory(self) -> Callable[[], Environment]:
+        return self.make_environment
+
+    def splits(self, task_file: str = "tasks.json") -> dict[str, list[str]]:
+        split_path = self.folder / f"split_{task_file}"
+        if not split_path.is_file():
+            return {}
+        return json.loads(split_path.read_text())
+
+    def load_tasks(self, split: str | None = "base", *, task_file: str = "tasks.json",
+                   task_ids: list[str] | None = None) -> TaskSet:
+        """Tasks of a split (``base`` = all tasks when the split file does not define it)."""
+        path = self.folder / task_file
+        if not path.is_file():
+            raise TauDataError(f"task file {path} is missing")
+        raw = path.read_bytes()
+        digest = hashlib.sha256(raw).hexdigest()
+        data = json.loads(raw)
+        if not isinstance(data, list):
+            raise TauDataError(f"{path} must hold a JSON list of tasks, got {type(data).__name__}")
+        tasks = [Task.model_validate(t) for t in data]
+        for t in tasks:
+            t._source_sha256 = digest
+        if split is not None:
+            splits = self.splits(task_file)
+            if split in splits:
+                wanted = set(splits[split])
+                missing = wanted - {t.id for t in tasks}
+                if missing:
+                    raise TauDataError(f"split {split!r} names tasks absent from {path}: {sorted(missing)[:5]}")
+                tasks = [t for t in tasks if t.id in wanted]
+            elif split != "base":
+                raise TauDataError(f"no split {split!r} in {path.parent / ('split_' + task_file)}; "
+                                   f"available: {sorted(splits) or ['base']}")
+        if task_ids is not None:
+            by_id = {t.id: t for t in tasks}
+            unknown = [i for i in task_ids if i not in by_id]
+            if unknown:
+                raise TauDataError(f"unknown task ids {unknown}")
+            tasks = [by_id[i] for i in task_ids]
+        return TaskSet(self.name, split, tasks, digest, path)
+
+
+def load_domain(name: str, data_dir: str | Path | None = None) -> DomainData:
+    root = resolve_data_root(data_dir)
+    folder = root / "tau2" / "domains" / name
+    domain = get_domain(name)
+    if not folder.is_dir():
+        raise TauDataError(f"no data for domain {name!r}: {folder} does not exist")
+    return DomainData(domain, folder)

@@ -1,0 +1,144 @@
+"""An environment: one domain's toolkit bound to one live DB instance.
+
+Everything that changes state goes through here, so the evaluator can rebuild any state by
+replaying calls into a fresh environment and comparing hashes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from closedloop.evals.tau.data_model import EnvAssertion, EnvFunctionCall, InitialState
+from closedloop.evals.tau.domains.base import TauDB, Toolkit
+from closedloop.evals.tau.domains.registry import Domain
+from closedloop.messages import ToolCall, ToolMessage
+from closedloop.tool import Tool, ToolRegistry, ToolResult
+
+__all__ = ["Environment", "EnvironmentFactory"]
+
+
+def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+class Environment:
+    """Tools bound to a DB (and, for dual-control domains, user tools bound to a user DB)."""
+
+    def __init__(self, domain: Domain, db: TauDB, *, user_db: TauDB | None = None, policy: str = "") -> None:
+        self.domain = domain
+        self.policy = policy
+        self.toolkit: Toolkit = domain.toolkit(db)
+        self.user_toolkit: Toolkit | None = None
+        if user_db is not None and domain.user_toolkit is not None:
+            self.user_toolkit = domain.user_toolkit(user_db)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def db(self) -> TauDB:
+        return self.toolkit.db
+
+    @property
+    def user_db(self) -> TauDB | None:
+        return self.user_toolkit.db if self.user_toolkit is not None else None
+
+    def get_db_hash(self) -> str:
+        return self.toolkit.db.get_hash()
+
+    def get_user_db_hash(self) -> str | None:
+        return self.user_toolkit.db.get_hash() if self.user_toolkit is not None else None
+
+    def apply_initial_state(self, initial_state: InitialState | None) -> None:
+        """tau2 ``set_state`` before any message: merge initialization data, run init actions."""
+        if initial_state is None:
+            return
+        data = initial_state.initialization_data
+        if data is not None and data.agent_data:
+            self._replace_db(self.toolkit, _deep_merge(self.toolkit.db.model_dump(), data.agent_data))
+        if data is not None and data.user_data:
+            if self.user_toolkit is None:
+                raise ValueError(f"task sets user_data but domain {self.domain.name!r} has no user DB")
+            self._replace_db(self.user_toolkit, _deep_merge(self.user_toolkit.db.model_dump(), data.user_data))
+        for call in initial_state.initialization_actions or []:
+            self.call_function(call)
+
+    @staticmethod
+    def _replace_db(toolkit: Toolkit, data: dict[str, Any]) -> None:
+        new_db = type(toolkit.db).model_validate(data)
+        toolkit.__init__(new_db)  # rebind the tools to the new instance
+
+    # ------------------------------------------------------------------ tools
+
+    @property
+    def tools(self) -> ToolRegistry:
+        return self.toolkit.tools
+
+    @property
+    def user_tools(self) -> ToolRegistry | None:
+        return self.user_toolkit.tools if self.user_toolkit is not None else None
+
+    @property
+    def tool_list(self) -> list[Tool]:
+        return list(self.toolkit.tools)
+
+    def _kit(self, requestor: str) -> Toolkit:
+        if requestor == "user":
+            if self.user_toolkit is None:
+                raise ValueError(f"domain {self.domain.name!r} has no user tools")
+            return self.user_toolkit
+        return self.toolkit
+
+    def is_mutating_tool(self, name: str, requestor: str = "assistant") -> bool:
+        kit = self.user_toolkit if requestor == "user" else self.toolkit
+        return kit is not None and kit.is_mutating(name)
+
+    def run_tool_call(self, call: ToolCall, requestor: str = "assistant") -> ToolMessage:
+        """Execute one model-issued call; every failure becomes an error tool message."""
+        registry = self.tools if requestor == "assistant" else self.user_tools
+        if registry is None or call.name not in registry:
+            msg = f"Tool '{call.name}' not found."
+            result = ToolResult(call.name, f"Error: {msg}", msg, "unknown_tool")
+        else:
+            result = registry.get(call.name).call(call.function.arguments)  # type: ignore[attr-defined]
+        return result.to_message(call.id)
+
+    def make_tool_call(self, name: str, requestor: str = "assistant", **arguments: Any) -> Any:
+        """Call a tool by name and return its Python value; raises on any error (gold replay)."""
+        kit = self._kit(requestor)
+        if name not in kit.tools:
+            raise KeyError(f"Tool '{name}' not found.")
+        tool = kit.tools.get(name)
+        kwargs = tool.validate(arguments)
+        return tool.fn(**kwargs)
+
+    def call_function(self, call: EnvFunctionCall) -> Any:
+        """A toolkit function (tool or assertion helper) by name; raises on error."""
+        kit = self._kit(call.env_type)
+        return kit.function(call.func_name)(**call.arguments)
+
+    def run_env_assertion(self, assertion: EnvAssertion) -> tuple[bool, str | None]:
+        """(met, error): an assertion whose function raises or returns a non-bool is not met."""
+        try:
+            value = self.call_function(assertion)
+        except Exception as e:
+            return False, f"{type(e).__name__}: {e}"
+        if not isinstance(value, bool):
+            return False, f"{assertion.func_name} returned {type(value).__name__}, not bool"
+        return value == assertion.assert_value, None
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return self.tools.schemas
+
+    def describe(self) -> dict[str, Any]:
+        """tau2 ``EnvironmentInfo``: domain name, policy and tool definitions."""
+        return {"domain_name": self.domain.name, "policy": self.policy,
+                "tool_defs": {t.name: json.loads(json.dumps(t.schema)) for t in self.tools}}
+
+
+EnvironmentFactory = Callable[[], Environment]

@@ -1,0 +1,359 @@
+"""One τ episode with tau2's half-duplex semantics.
+
+The agent speaks first with the fixed greeting; then each agent message is either text for the
+user or tool calls for the environment. A message with both goes to the environment and its
+text never reaches the user (tau2's default); with ``validate_communication=True`` it ends the
+episode as ``AGENT_ERROR`` (tau2's strict mode). Only the user ends a conversation normally, by
+one of the stop tokens; the agent may end it with ``###STOP###``. Every routing (agent turn, user
+turn, tool execution) is one step, as in tau2, and limits are checked only when no tool result
+is pending. Reasoning (``<think>`` blocks, the message's ``reasoning`` field) is stripped before
+text crosses from one party to the other.
+
+The agent is any ``async agent(messages, tools) -> AssistantMessage | Turn``: ``messages`` is
+the agent's view (system prompt with the policy, then the conversation with tool results) and
+``tools`` the environment's :class:`~closedloop.tool.Tool` objects, for their schemas. The
+orchestrator executes tool calls itself; an agent must not call the tools directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from datetime import datetime, timezone
+from enum import Enum
+from pathlib import Path
+from typing import Awaitable, Callable, Union
+
+from closedloop.evals.tau.data_model import Task
+from closedloop.evals.tau.environment import Environment
+from closedloop.evals.tau.simulation import SimulationRun, TerminationReason
+from closedloop.messages import AssistantMessage, SystemMessage, Turn, Usage, UserMessage, _Message
+from closedloop.models.base import ModelClient, ModelError, SamplingParams
+from closedloop.tool import Tool
+
+__all__ = ["GREETING", "STOP", "TRANSFER", "OUT_OF_SCOPE", "USER_STOP_TOKENS", "AGENT_INSTRUCTION",
+           "agent_system_prompt", "strip_reasoning", "UserSimulator", "Orchestrator", "run_episode", "model_agent",
+           "AgentFn", "make_user", "load_user_guidelines", "DEFAULT_USER_GUIDELINES"]
+
+GREETING = "Hi! How can I help you today?"
+STOP, TRANSFER, OUT_OF_SCOPE = "###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###"
+USER_STOP_TOKENS = (STOP, TRANSFER, OUT_OF_SCOPE)
+
+# tau2 LLMAgent's prompt, so a model sees the same instructions here as upstream.
+AGENT_INSTRUCTION = """
+You are a customer service agent that helps the user according to the <policy> provided below.
+In each turn you can either:
+- Send a message to the user.
+- Make a tool call.
+You cannot do both at the same time.
+
+Try to be helpful and always follow the policy. Always make sure you generate valid JSON only.
+""".strip()
+
+_AGENT_SYSTEM = """
+<instructions>
+{agent_instruction}
+</instructions>
+<policy>
+{domain_policy}
+</policy>
+""".strip()
+
+# Used when no tau2 data root with data/tau2/user_simulator/simulation_guidelines.md is given;
+# our own wording of the same rules (pass the upstream file for byte-exact parity).
+DEFAULT_USER_GUIDELINES = """# User Simulation Guidelines
+You are playing the role of a customer contacting a customer service agent.
+Your goal is to simulate realistic customer interactions while following the specific scenario you are given.
+<PERSONA_GUIDELINES>
+## Core Principles
+- Generate one message at a time, keeping it natural and short, as a real customer would write it.
+- Disclose information progressively: give only what the agent asks for at each step.
+- Only state facts that are in the scenario. If you are asked for something you do not know, say you do not know or do not remember.
+- Never invent order ids, item ids, addresses or other details; never make up instructions.
+- Paraphrase the scenario in your own words instead of copying it.
+- Stay in character; you are not an assistant and must not try to solve the task yourself.
+
+## Task Completion
+- When the task in your scenario is done (or cannot be done any further), end the conversation by sending '###STOP###' on its own.
+- If you are transferred to another agent, send '###TRANSFER###'.
+- If the scenario does not give you the information needed to continue, send '###OUT-OF-SCOPE###'.
+"""
+
+_USER_SYSTEM = """
+{guidelines}
+
+<scenario>
+{instructions}
+</scenario>
+""".strip()
+
+_THINK = re.compile(r"<think>.*?</think>", re.S)
+
+
+def agent_system_prompt(policy: str) -> str:
+    return _AGENT_SYSTEM.format(agent_instruction=AGENT_INSTRUCTION, domain_policy=policy)
+
+
+def strip_reasoning(text: str | None) -> str:
+    """Text with chain-of-thought removed: ``<think>…</think>`` blocks, and everything up to a
+    closing ``</think>`` whose opening tag was in the prompt (Qwen3-style templates)."""
+    if not text:
+        return ""
+    text = _THINK.sub("", text)
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    if "<think>" in text:  # unterminated: the rest is reasoning
+        text = text.split("<think>", 1)[0]
+    return text.strip()
+
+
+def load_user_guidelines(data_root: str | Path | None) -> str:
+    if data_root is not None:
+        path = Path(data_root) / "tau2" / "user_simulator" / "simulation_guidelines.md"
+        if path.is_file():
+            return path.read_text()
+    return DEFAULT_USER_GUIDELINES
+
+
+AgentOutput = Union[AssistantMessage, Turn]
+AgentFn = Callable[[list[_Message], list[Tool]], Awaitable[AgentOutput]]
+
+
+def model_agent(client: ModelClient, params: SamplingParams | None = None) -> AgentFn:
+    """The plain LLM agent: one model call per turn with the environment's tool schemas."""
+
+    async def agent(messages: list[_Message], tools: list[Tool]) -> Turn:
+        return await client.generate(messages, tools=[t.schema for t in tools] or None, params=params)
+
+    return agent
+
+
+class UserSimulator:
+    """The user side: a model prompted with the guidelines and the task's scenario.
+
+    Roles are flipped for the model: the agent's messages are its "user" turns and its own
+    replies are "assistant" turns. It sees only the agent's text, never tool traffic.
+    """
+
+    def __init__(self, client: ModelClient, scenario: str, *, guidelines: str = DEFAULT_USER_GUIDELINES,
+                 persona_guidelines: str = "", params: SamplingParams | None = None) -> None:
+        self.client = client
+        self.params = params or SamplingParams(temperature=0.0, max_tokens=1024, logprobs=False)
+        filled = guidelines.replace("<PERSONA_GUIDELINES>", f"\n\n{persona_guidelines}\n" if persona_guidelines else "")
+        self.system = SystemMessage(content=_USER_SYSTEM.format(guidelines=filled, instructions=scenario))
+        self.history: list[_Message] = []
+        self.usage = Usage()
+
+    async def respond(self, agent_text: str) -> str:
+        self.history.append(UserMessage(content=agent_text))
+        turn = await self.client.generate([self.system, *self.history], params=self.params)
+        self.usage = self.usage + turn.usage
+        text = strip_reasoning(turn.message.text)
+        if not text:
+            raise ModelError("user simulator returned an empty message")
+        self.history.append(AssistantMessage(content=text))
+        return text
+
+
+class _Role(str, Enum):
+    AGENT = "agent"
+    USER = "user"
+    ENV = "env"
+
+
+_INFRA_ERRORS = (ModelError, OSError, asyncio.TimeoutError, ConnectionError)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+class Orchestrator:
+    """The episode as a state machine that pauses whenever it is the agent's turn.
+
+    :func:`run_episode` drives it with an agent callable; :class:`~closedloop.evals.tau.gym.TauGymEnv`
+    drives it one agent message per ``step``.
+    """
+
+    def __init__(self, task: Task, environment: Environment, user: UserSimulator, *, domain: str = "",
+                 system_prompt: str | None = None, max_steps: int = 200, max_errors: int = 10,
+                 timeout_s: float | None = None, validate_communication: bool = False, seed: int | None = None,
+                 trial: int | None = None) -> None:
+        if max_steps < 1 or max_errors < 1:
+            raise ValueError("max_steps and max_errors must be at least 1")
+        if task.initial_state is not None and task.initial_state.message_history:
+            raise ValueError(f"task {task.id}: a pre-filled message_history is not supported yet")
+        self.task, self.env, self.user = task, environment, user
+        self.domain = domain or environment.domain.name
+        self.system = SystemMessage(content=system_prompt if system_prompt is not None
+                                    else agent_system_prompt(environment.policy))
+        self.max_steps, self.max_errors, self.timeout_s = max_steps, max_errors, timeout_s
+        self.validate_communication = validate_communication
+        self.seed, self.trial = seed, trial
+        self.trajectory: list[_Message] = []
+        self.agent_turns: list[Turn] = []
+        self.agent_usage = Usage()
+        self.steps = 0
+        self.num_errors = 0
+        self.done = False
+        self.termination: TerminationReason | None = None
+        self.stop_token: str | None = None
+        self.error: str | None = None
+        self._to: _Role = _Role.USER
+        self._pending: AssistantMessage | None = None
+        self._start_perf = 0.0
+        self._start_time = ""
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def tools(self) -> list[Tool]:
+        return self.env.tool_list
+
+    def agent_messages(self) -> list[_Message]:
+        """What the agent sees: its system prompt, then every message so far."""
+        return [self.system, *self.trajectory]
+
+    # ------------------------------------------------------------------ driving
+
+    async def start(self) -> None:
+        self._start_perf, self._start_time = time.perf_counter(), _now()
+        self.env.apply_initial_state(self.task.initial_state)
+        greeting = AssistantMessage(content=GREETING)
+        self.trajectory.append(greeting)
+        self._pending, self._to = greeting, _Role.USER
+        await self._advance()
+
+    async def submit(self, output: AgentOutput) -> None:
+        """Take the agent's message and run the episode until the agent's next turn or the end."""
+        if self.done:
+            raise RuntimeError("the episode is over")
+        if self._to != _Role.AGENT:
+            raise RuntimeError("it is not the agent's turn")
+        if isinstance(output, Turn):
+            self.agent_turns.append(output)
+            self.agent_usage = self.agent_usage + output.usage
+            output = output.message
+        if not isinstance(output, AssistantMessage):
+            self._finish(TerminationReason.AGENT_ERROR, f"agent returned {type(output).__name__}, not an AssistantMessage")
+            return
+        self.steps += 1
+        self.trajectory.append(output)
+        text = strip_reasoning(output.text)
+        if STOP in text:
+            self._finish(TerminationReason.AGENT_STOP)
+            self.stop_token = STOP
+            return
+        if not text and not output.tool_calls:
+            self._finish(TerminationReason.AGENT_ERROR, "agent sent an empty message")
+            return
+        if text and output.tool_calls and self.validate_communication:
+            self._finish(TerminationReason.AGENT_ERROR, "agent sent both text content and tool calls")
+            return
+        self._pending = output
+        self._to = _Role.ENV if output.tool_calls else _Role.USER
+        self._check_limits()
+        await self._advance()
+
+    def fail_agent(self, exc: BaseException) -> None:
+        """Record an exception raised by the agent callable and end the episode."""
+        reason = TerminationReason.INFRASTRUCTURE_ERROR if isinstance(exc, _INFRA_ERRORS) else TerminationReason.AGENT_ERROR
+        self._finish(reason, f"{type(exc).__name__}: {exc}")
+
+    async def _advance(self) -> None:
+        while not self.done and self._to != _Role.AGENT:
+            if self._to == _Role.ENV:
+                self._run_tools()
+            else:
+                await self._user_turn()
+            self._check_limits()
+
+    def _run_tools(self) -> None:
+        assert self._pending is not None and self._pending.tool_calls
+        for call in self._pending.tool_calls:
+            result = self.env.run_tool_call(call)
+            if result.error:
+                self.num_errors += 1
+            self.trajectory.append(result)
+        self.steps += 1
+        self._to = _Role.AGENT
+
+    async def _user_turn(self) -> None:
+        assert self._pending is not None
+        visible = strip_reasoning(self._pending.text)
+        try:
+            reply = await self.user.respond(visible)
+        except Exception as e:  # the simulator is infrastructure: its failures are not the agent's
+            self._finish(TerminationReason.INFRASTRUCTURE_ERROR, f"user simulator: {type(e).__name__}: {e}")
+            return
+        self.steps += 1
+        self.trajectory.append(UserMessage(content=reply))
+        token = next((t for t in USER_STOP_TOKENS if t in reply), None)
+        if token is not None:
+            self.stop_token = token
+            self._finish(TerminationReason.USER_STOP)
+            return
+        self._to = _Role.AGENT
+
+    def _check_limits(self) -> None:
+        if self.done or self._to == _Role.ENV:  # a pending tool result is always delivered first
+            return
+        if self.steps >= self.max_steps:
+            self._finish(TerminationReason.MAX_STEPS)
+        elif self.num_errors >= self.max_errors:
+            self._finish(TerminationReason.TOO_MANY_ERRORS)
+        elif self.timeout_s is not None and time.perf_counter() - self._start_perf >= self.timeout_s:
+            self._finish(TerminationReason.TIMEOUT)
+
+    def _finish(self, reason: TerminationReason, error: str | None = None) -> None:
+        self.done = True
+        self.termination = reason
+        self.error = error
+
+    # ------------------------------------------------------------------ result
+
+    def result(self) -> SimulationRun:
+        if not self.done or self.termination is None:
+            raise RuntimeError("the episode has not ended")
+        return SimulationRun(
+            task_id=self.task.id, domain=self.domain, trial=self.trial, seed=self.seed,
+            start_time=self._start_time, end_time=_now(), duration=time.perf_counter() - self._start_perf,
+            termination_reason=self.termination, stop_token=self.stop_token, error=self.error, steps=self.steps,
+            num_tool_errors=self.num_errors, agent_cost=self.agent_usage.cost_usd, user_cost=self.user.usage.cost_usd,
+            agent_usage=self.agent_usage, user_usage=self.user.usage, messages=list(self.trajectory),
+            agent_turns=list(self.agent_turns), task_file_sha256=self.task.source_sha256)
+
+
+def make_user(task: Task, user_client: ModelClient, *, guidelines: str | None = None,
+              params: SamplingParams | None = None, seed: int | None = None) -> UserSimulator:
+    """The user simulator for a task (tau2 defaults: temperature 0; the trial's seed, if any)."""
+    if params is None:
+        params = SamplingParams(temperature=0.0, max_tokens=1024, logprobs=False, seed=seed)
+    return UserSimulator(user_client, str(task.user_scenario), guidelines=guidelines or DEFAULT_USER_GUIDELINES,
+                         params=params)
+
+
+async def run_episode(task: Task, agent: AgentFn, user_client: ModelClient, *,
+                      environment: Environment | None = None,
+                      environment_factory: Callable[[], Environment] | None = None,
+                      guidelines: str | None = None, user_params: SamplingParams | None = None,
+                      system_prompt: str | None = None, max_steps: int = 200, max_errors: int = 10,
+                      timeout_s: float | None = None, validate_communication: bool = False,
+                      seed: int | None = None, trial: int | None = None) -> SimulationRun:
+    """Run one episode to its end. Give a fresh ``environment`` or an ``environment_factory``."""
+    if (environment is None) == (environment_factory is None):
+        raise ValueError("give exactly one of environment or environment_factory")
+    env = environment if environment is not None else environment_factory()  # type: ignore[misc]
+    orch = Orchestrator(task, env, make_user(task, user_client, guidelines=guidelines, params=user_params, seed=seed),
+                        system_prompt=system_prompt, max_steps=max_steps, max_errors=max_errors, timeout_s=timeout_s,
+                        validate_communication=validate_communication, seed=seed, trial=trial)
+    await orch.start()
+    while not orch.done:
+        try:
+            output = await agent(orch.agent_messages(), orch.tools)
+        except Exception as e:
+            orch.fail_agent(e)
+            break
+        await orch.submit(output)
+    return orch.result()
