@@ -56,8 +56,11 @@ def build_clarifier_graph(client: ModelClient, tools: ToolRegistry | None = None
                           threshold: float = 0.5, budget: int = 1, belief_temperature: float = 1.0,
                           system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, params: SamplingParams | None = None,
                           max_turns: int = 8, approve: bool | Collection[str] = False,
-                          stream_tokens: bool = False, checkpointer: Any = None):
-    """Compile the clarifier. Without ``scorer``, an ``hf:`` client's own model is snapshotted."""
+                          stream_tokens: bool = False, execute_tools: bool = True, checkpointer: Any = None):
+    """Compile the clarifier. Without ``scorer``, an ``hf:`` client's own model is snapshotted.
+
+    ``execute_tools=False``: a one-step policy for environments that run the tools (τ-bench).
+    """
     tools = tools or ToolRegistry()
     if scorer is None:
         if not (hasattr(client, "model") and hasattr(client, "tokenizer")):
@@ -108,11 +111,14 @@ def build_clarifier_graph(client: ModelClient, tools: ToolRegistry | None = None
     graph.add_node("ask", ask)
     graph.add_node("model", make_model_node(client, tools, system_prompt=system_prompt, params=params,
                                             stream_tokens=stream_tokens))
-    graph.add_node("tools", make_tool_node(tools, approve=approve))
     graph.add_edge(START, "assess")
     graph.add_conditional_edges("assess", lambda s: "ask" if s["scratch"]["decision"] == "ask" else "model",
                                 {"ask": "ask", "model": "model"})
     graph.add_edge("ask", END)
-    graph.add_conditional_edges("model", route_after_model(max_turns), {"tools": "tools", END: END})
-    graph.add_edge("tools", "model")
+    if execute_tools:
+        graph.add_node("tools", make_tool_node(tools, approve=approve))
+        graph.add_conditional_edges("model", route_after_model(max_turns), {"tools": "tools", END: END})
+        graph.add_edge("tools", "model")
+    else:
+        graph.add_edge("model", END)
     return graph.compile(checkpointer=checkpointer, name="clarifier")

@@ -24,14 +24,21 @@ DEFAULT_SYSTEM_PROMPT = ("You are a helpful assistant. Use the tools when they h
 def build_react_graph(client: ModelClient, tools: ToolRegistry | None = None, *,
                       system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, params: SamplingParams | None = None,
                       max_turns: int = 8, approve: bool | Collection[str] = False,
-                      stream_tokens: bool = False, checkpointer: Any = None):
-    """Compile the react graph. ``approve`` pauses before the named (or all) tool calls."""
+                      stream_tokens: bool = False, execute_tools: bool = True, checkpointer: Any = None):
+    """Compile the react graph. ``approve`` pauses before the named (or all) tool calls.
+
+    ``execute_tools=False`` makes it a one-step policy: it ends after each model turn and leaves
+    the tool calls to an environment that executes them (the τ-bench orchestrator, a gym).
+    """
     tools = tools or ToolRegistry()
     graph = StateGraph(AgentState)
     graph.add_node("model", make_model_node(client, tools, system_prompt=system_prompt, params=params,
                                             stream_tokens=stream_tokens))
-    graph.add_node("tools", make_tool_node(tools, approve=approve))
     graph.add_edge(START, "model")
-    graph.add_conditional_edges("model", route_after_model(max_turns), {"tools": "tools", END: END})
-    graph.add_edge("tools", "model")
+    if execute_tools:
+        graph.add_node("tools", make_tool_node(tools, approve=approve))
+        graph.add_conditional_edges("model", route_after_model(max_turns), {"tools": "tools", END: END})
+        graph.add_edge("tools", "model")
+    else:
+        graph.add_edge("model", END)
     return graph.compile(checkpointer=checkpointer, name="react")
