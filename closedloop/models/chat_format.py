@@ -1,0 +1,149 @@
+"""Between our typed messages and the text a local chat model reads and writes.
+
+Local backends (``hf:``, ``vllm:``) render a conversation with the checkpoint's own Jinja chat
+template and get back raw completion text. Rendering turns our messages into the dicts those
+templates expect (tool-call arguments as dicts, since templates ``tojson`` them). Parsing reads the
+Hermes/Qwen convention: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks and an
+optional ``<think>...</think>`` preamble. Parsing never raises: a model's output is data, and a
+malformed call must reach the tool layer so the error can be reported back to the model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from closedloop.messages import (AssistantMessage, SystemMessage, ToolCall, ToolMessage, UserMessage, _Message,
+                                 content_text)
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_NAME_RE = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGS_RE = re.compile(r'"(?:arguments|parameters)"\s*:\s*(.*)', re.DOTALL)
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _arguments_for_template(raw: str) -> Any:
+    """Templates ``tojson`` the arguments, so they need the object, not its JSON text.
+
+    Malformed arguments (which the model produced and the tool rejected) stay as the raw string so
+    the conversation shows the model what it actually wrote.
+    """
+    try:
+        return json.loads(raw or "{}")
+    except json.JSONDecodeError:
+        return raw
+
+
+def message_to_template_dict(message: _Message) -> dict[str, Any]:
+    """One typed message as the dict HF chat templates take (text only; reasoning dropped, as
+    Qwen's own template drops earlier turns' thinking)."""
+    if isinstance(message, (SystemMessage, UserMessage)):
+        return {"role": message.role, "content": content_text(message.content)}
+    if isinstance(message, AssistantMessage):
+        out: dict[str, Any] = {"role": "assistant", "content": content_text(message.content)}
+        if message.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name,
+                                               "arguments": _arguments_for_template(c.function.arguments)}}
+                                 for c in message.tool_calls]
+        return out
+    if isinstance(message, ToolMessage):
+        out = {"role": "tool", "content": content_text(message.content), "tool_call_id": message.tool_call_id}
+        if message.name:
+            out["name"] = message.name
+        return out
+    raise TypeError(f"cannot render message of type {type(message).__name__}")
+
+
+def render_messages(messages: list[_Message]) -> list[dict[str, Any]]:
+    return [message_to_template_dict(m) for m in messages]
+
+
+def select_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[dict[str, Any]] | None:
+    """The tools to show the model under an OpenAI ``tool_choice``.
+
+    A local template cannot force a call, so ``"required"`` only shows the tools; a named function
+    shows just that one; ``"none"`` hides them all.
+    """
+    if not tools or tool_choice == "none":
+        return None
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+        chosen = [t for t in tools if (t.get("function") or t).get("name") == name]
+        if not chosen:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools given")
+        return chosen
+    return tools
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _parse_call(body: str) -> ToolCall | None:
+    """A ToolCall from the text inside one ``<tool_call>`` block, or None when no name is found."""
+    body = body.strip()
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        obj = None
+    if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+        args = obj.get("arguments", obj.get("parameters", {}))
+        return ToolCall.make(obj["name"], args if isinstance(args, (dict, str)) else json.dumps(args))
+    # Malformed JSON: salvage the name and keep the arguments text raw, so the tool layer can tell
+    # the model exactly what was wrong.
+    name = _NAME_RE.search(body)
+    if not name:
+        return None
+    try:
+        fn_name = json.loads(f'"{name.group(1)}"')
+    except json.JSONDecodeError:
+        fn_name = name.group(1)
+    args_match = _ARGS_RE.search(body)
+    raw_args = args_match.group(1).strip() if args_match else body
+    if raw_args.endswith("}") and raw_args.count("}") > raw_args.count("{"):
+        raw_args = raw_args[:-1].rstrip()  # the closing brace of the outer object
+    return ToolCall.make(fn_name, raw_args)
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """``(reasoning, rest)``: a ``<think>`` block split off. An unclosed block is all reasoning,
+    as happens when generation stops mid-thought."""
+    start = text.find(THINK_OPEN)
+    end = text.find(THINK_CLOSE)
+    if end != -1 and (start == -1 or start < end):
+        # Some templates put <think> in the prompt, so the completion starts inside the block.
+        begin = start + len(THINK_OPEN) if start != -1 else 0
+        reasoning = text[begin:end].strip()
+        rest = text[:max(start, 0)] + text[end + len(THINK_CLOSE):]
+        return reasoning or None, rest
+    if start != -1:
+        return text[start + len(THINK_OPEN):].strip() or None, text[:start]
+    return None, text
+
+
+def parse_completion(text: str, end_markers: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")) -> AssistantMessage:
+    """Raw completion text (markup included) -> an :class:`AssistantMessage`; never raises."""
+    for marker in end_markers:
+        idx = text.find(marker)
+        if idx != -1:
+            text = text[:idx]
+    reasoning, rest = split_reasoning(text)
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    pos = 0
+    for m in _TOOL_CALL_RE.finditer(rest):
+        call = _parse_call(m.group(1))
+        if call is None:
+            continue  # no name at all: leave the block in the content, it is all we have
+        kept.append(rest[pos:m.start()])
+        pos = m.end()
+        calls.append(call)
+    kept.append(rest[pos:])
+    content = "".join(kept).strip()
+    return AssistantMessage(content=content or None, tool_calls=calls or None, reasoning=reasoning)

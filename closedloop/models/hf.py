@@ -1,0 +1,414 @@
+"""``hf:`` backend: a local transformers model, micro-batched and token-exact.
+
+Why a hand-written decode loop instead of ``model.generate``: every request in a batch needs its
+own seed (a per-row ``torch.Generator``), so a seeded sample is the same whether the request ran
+alone or next to others, and trainers need the exact ids and the logprobs of the distribution that
+was sampled from. Requests from any event loop go onto one thread-safe queue; a worker thread
+gathers what arrives within ``batch_wait_ms`` (up to ``max_batch_size``) into one left-padded batch
+and decodes it with a KV cache. The queue lives in a thread rather than in one event loop so a
+client can be shared across loops (tests, notebooks, a server).
+
+Recorded logprobs are ``log_softmax(logits / temperature)`` at the chosen token, computed in
+float32 on the full vocabulary: top-p truncation changes which tokens can be drawn, not the
+recorded value (what PPO-style importance ratios against a recomputation expect). At temperature 0
+decoding is greedy and logprobs are those of the unscaled logits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import queue
+import secrets
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+from closedloop.messages import Turn, Usage, _Message
+from closedloop.models.base import (GenerateRequest, ModelClient, ModelError, SamplingParams, StreamEvent,
+                                    TextDelta, ToolChoice, TurnDone)
+from closedloop.models.chat_format import parse_completion, render_messages, select_tools
+
+
+@dataclass
+class _Request:
+    messages: list[_Message]
+    tools: list[dict[str, Any]] | None
+    params: SamplingParams
+    tool_choice: ToolChoice | None
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    on_delta: Callable[[str], None] | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Row:
+    """Decoding state of one request inside a batch."""
+
+    req: _Request
+    prompt_ids: list[int]
+    max_new: int
+    generator: Any
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""  # decoded so far (incrementally), for stop strings and streaming
+    prefix_offset: int = 0
+    read_offset: int = 0
+    finish: str | None = None
+
+
+class HFClient(ModelClient):
+    """A transformers causal LM behind the :class:`ModelClient` interface."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, name: str = "", max_batch_size: int = 16,
+                 batch_wait_ms: float = 5.0):
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if batch_wait_ms < 0:
+            raise ValueError("batch_wait_ms must be >= 0")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ModelError(f"tokenizer of {name or 'the model'} has no chat template; hf: needs a chat model")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name or getattr(getattr(model, "config", None), "name_or_path", "") or "hf-model"
+        self.spec = f"hf:{self.name}"
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_ms / 1000.0
+        #: How many requests each device batch held, in order; the micro-batcher's observable effect.
+        self.batch_sizes: list[int] = []
+        self._queue: queue.Queue[_Request | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._lock = threading.Lock()
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
+        self._eos_ids = self._stop_token_ids()
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: Any = "auto", max_batch_size: int = 16,
+                        batch_wait_ms: float = 5.0, **model_kwargs: Any) -> "HFClient":
+        """Load a checkpoint directory (or a hub id, through transformers' own cache).
+
+        ``dtype``: ``"auto"`` (the checkpoint's), a ``torch.dtype`` or its name (``"bfloat16"``).
+        """
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if isinstance(dtype, str) and dtype != "auto":
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32', 'bfloat16' or 'auto'")
+            dtype = getattr(torch, dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **model_kwargs).to(device)
+        model.eval()
+        return cls(model, tokenizer, name=str(path), max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms)
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, *, name: str = "", max_batch_size: int = 16,
+                   batch_wait_ms: float = 5.0) -> "HFClient":
+        """Wrap an already-loaded model (e.g. a trainer's live policy): no copy, no reload, so
+        generations always use the current weights."""
+        return cls(model, tokenizer, name=name, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms)
+
+    def _stop_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.tokenizer, "eos_token_id", None),
+                       getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(i) for i in source)
+        vocab = self.tokenizer.get_vocab()
+        ids.update(vocab[t] for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>") if t in vocab)
+        if not ids:
+            raise ModelError("the tokenizer defines no end-of-sequence token")
+        return ids
+
+    # ------------------------------------------------------------------ prompts
+
+    def encode_prompt(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+                      tool_choice: ToolChoice | None = None) -> list[int]:
+        """The exact prompt token ids the model will see (chat template, tools, generation prompt)."""
+        shown = select_tools(tools, tool_choice)
+        ids = self.tokenizer.apply_chat_template(render_messages(messages), tools=shown, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids to text with special tokens kept, the inverse the turn record relies on."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+                       params: SamplingParams | None = None, tool_choice: ToolChoice | None = None) -> Turn:
+        return await self._submit(messages, tools, params, tool_choice)
+
+    async def stream(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+                     params: SamplingParams | None = None,
+                     tool_choice: ToolChoice | None = None) -> AsyncIterator[StreamEvent]:
+        """Raw completion text as it is decoded (markup included); the deltas join to exactly
+        ``turn.completion_text`` of the final :class:`TurnDone`."""
+        deltas: asyncio.Queue[str] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(self._submit(messages, tools, params, tool_choice,
+                                                  on_delta=lambda s: loop.call_soon_threadsafe(deltas.put_nowait, s)))
+        sent = ""
+        try:
+            while not task.done():
+                getter = asyncio.ensure_future(deltas.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    sent += getter.result()
+                    yield TextDelta(getter.result())
+                else:
+                    getter.cancel()
+            turn = task.result()
+            # Deltas posted just before the result may still sit in the queue (same loop order).
+            while not deltas.empty():
+                d = deltas.get_nowait()
+                sent += d
+                yield TextDelta(d)
+            final = turn.completion_text or ""
+            if final.startswith(sent) and len(final) > len(sent):
+                yield TextDelta(final[len(sent):])
+            yield TurnDone(turn)
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def batch(self, requests: list[GenerateRequest]) -> list[Turn]:
+        return list(await asyncio.gather(*(self._submit(r.messages, r.tools, r.params, r.tool_choice)
+                                           for r in requests)))
+
+    async def generate_many(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+                            params: SamplingParams | None = None, n: int = 1,
+                            tool_choice: ToolChoice | None = None) -> list[Turn]:
+        """``n`` samples for one prompt (OpenAI's ``n``), batched together. With a seed, sample
+        ``i`` uses ``seed + i`` so the samples differ but the set is reproducible."""
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        params = params or SamplingParams()
+        reqs = [GenerateRequest(messages, tools,
+                                params if params.seed is None else params.model_copy(update={"seed": params.seed + i}),
+                                tool_choice) for i in range(n)]
+        return await self.batch(reqs)
+
+    def batch_stats(self) -> dict[str, Any]:
+        sizes = self.batch_sizes
+        return {"batches": len(sizes), "requests": sum(sizes), "max_batch": max(sizes, default=0),
+                "histogram": dict(sorted(Counter(sizes).items()))}
+
+    async def aclose(self) -> None:
+        worker = self._worker
+        if worker is not None and worker.is_alive():
+            self._queue.put(None)
+            await asyncio.get_running_loop().run_in_executor(None, worker.join, 10)
+        self._worker = None
+
+    # ------------------------------------------------------------------ queue and worker
+
+    def _submit(self, messages, tools, params, tool_choice, on_delta=None) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        # Prompts are encoded in the worker, so concurrent callers enqueue at once and land in
+        # the same batch instead of trickling in behind each other's tokenisation.
+        self._queue.put(_Request(list(messages), tools, params or SamplingParams(), tool_choice, loop, fut, on_delta))
+        self._ensure_worker()
+        return fut
+
+    def _ensure_worker(self) -> None:
+        with self._lock:
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._work, name="closedloop-hf-batcher", daemon=True)
+                self._worker.start()
+
+    def _work(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            deadline = time.perf_counter() + self.batch_wait_s
+            stop = False
+            while len(batch) < self.max_batch_size:
+                remaining = deadline - time.perf_counter()
+                try:
+                    item = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            live = [r for r in batch if not r.future.cancelled()]
+            if live:
+                self._run_batch(live)
+            if stop:
+                return
+
+    @staticmethod
+    def _resolve(req: _Request, result: Turn | None = None, error: BaseException | None = None) -> None:
+        def settle() -> None:
+            if req.future.done():
+                return
+            if error is not None:
+                req.future.set_exception(error)
+            else:
+                req.future.set_result(result)
+        try:
+            req.loop.call_soon_threadsafe(settle)
+        except RuntimeError:
+            pass  # the caller's loop is closed; nobody is waiting
+
+    # ------------------------------------------------------------------ decoding
+
+    def _run_batch(self, reqs: list[_Request]) -> None:
+        import torch
+
+        rows: list[_Row] = []
+        limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        for req in reqs:
+            try:
+                prompt = self.encode_prompt(req.messages, req.tools, req.tool_choice)
+                max_new = req.params.max_tokens
+                if limit:
+                    max_new = min(max_new, limit - len(prompt))
+                    if max_new < 1:
+                        raise ModelError(f"prompt of {len(prompt)} tokens leaves no room in the model's "
+                                         f"{limit}-token context")
+                seed = req.params.seed if req.params.seed is not None else secrets.randbits(63)
+                rows.append(_Row(req, prompt, max_new, torch.Generator().manual_seed(seed)))
+            except Exception as e:  # a bad request fails alone, not its batch-mates
+                self._resolve(req, error=e)
+        if not rows:
+            return
+        self.batch_sizes.append(len(rows))
+        try:
+            was_training = bool(getattr(self.model, "training", False))
+            if was_training:
+                self.model.eval()  # no dropout while sampling from a live policy
+            try:
+                with torch.no_grad():
+                    self._decode(rows)
+            finally:
+                if was_training:
+                    self.model.train()
+        except Exception as e:
+            for row in rows:
+                self._resolve(row.req, error=ModelError(f"generation failed: {type(e).__name__}: {e}"))
+            return
+        for row in rows:
+            try:
+                self._resolve(row.req, self._finish_turn(row))
+            except Exception as e:
+                self._resolve(row.req, error=e)
+
+    def _decode(self, rows: list[_Row]) -> None:
+        import torch
+
+        from transformers import DynamicCache
+
+        device = next(self.model.parameters()).device
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = min(self._eos_ids)
+        width = max(len(r.prompt_ids) for r in rows)
+        n = len(rows)
+        input_ids = torch.full((n, width), pad, dtype=torch.long)
+        attn = torch.zeros((n, width), dtype=torch.long)
+        for i, r in enumerate(rows):  # left padding keeps every row's last token in the last column
+            input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            attn[i, width - len(r.prompt_ids):] = 1
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        try:
+            cache = DynamicCache(config=self.model.config)
+        except TypeError:  # transformers < 4.56
+            cache = DynamicCache()
+        input_ids, attn, positions = input_ids.to(device), attn.to(device), positions.to(device)
+        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kw: cache})
+        next_pos = positions[:, -1:] + 1
+        steps = max(r.max_new for r in rows)
+        for _ in range(steps):
+            logits = out.logits[:, -1, :].float().cpu()
+            next_tokens = [pad] * n
+            for i, r in enumerate(rows):
+                if r.finish is None:
+                    next_tokens[i] = self._step_row(r, logits[i])
+            if all(r.finish is not None for r in rows):
+                break
+            attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=device)], dim=1)
+            out = self.model(input_ids=torch.tensor(next_tokens, device=device).unsqueeze(1), attention_mask=attn,
+                             position_ids=next_pos, use_cache=True, **{self._cache_kw: cache})
+            next_pos = next_pos + 1
+
+    def _step_row(self, r: _Row, logits) -> int:
+        """Choose one token for one row, record it and its logprob, and update the row's finish."""
+        import torch
+
+        p = r.req.params
+        if p.temperature == 0:
+            logp = torch.log_softmax(logits, dim=-1)
+            token = int(torch.argmax(logits))
+        else:
+            logp = torch.log_softmax(logits / p.temperature, dim=-1)
+            probs = logp.exp()
+            if p.top_p < 1.0:
+                sorted_p, order = torch.sort(probs, descending=True)
+                keep = (torch.cumsum(sorted_p, 0) - sorted_p) < p.top_p  # smallest set reaching top_p
+                probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+            token = int(torch.multinomial(probs, 1, generator=r.generator))
+        r.ids.append(token)
+        r.logprobs.append(float(logp[token]))
+        if token in self._eos_ids:
+            r.finish = "stop"
+            return token
+        delta = self._advance_text(r)
+        if delta and r.req.on_delta is not None:
+            r.req.on_delta(delta)
+        if p.stop and delta:
+            window = r.text[-(max(len(s) for s in p.stop) + len(delta)):]
+            if any(s in window for s in p.stop):
+                r.finish = "stop"
+                return token
+        if len(r.ids) >= r.max_new:
+            r.finish = "length"
+        return token
+
+    def _advance_text(self, r: _Row) -> str:
+        """Incremental detokenisation (as in TGI/vLLM): only text that is complete, never half of
+        a multi-byte character, so deltas concatenate to the full decode."""
+        prefix = self.decode(r.ids[r.prefix_offset:r.read_offset])
+        full = self.decode(r.ids[r.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            r.prefix_offset, r.read_offset = r.read_offset, len(r.ids)
+            r.text += delta
+            return delta
+        return ""
+
+    def _finish_turn(self, r: _Row) -> Turn:
+        text = self.decode(r.ids)
+        content_text = text
+        if r.finish == "stop" and r.req.params.stop and r.ids[-1] not in self._eos_ids:
+            cut = min((i for i in (text.find(s) for s in r.req.params.stop) if i != -1), default=-1)
+            if cut != -1:
+                content_text = text[:cut]  # OpenAI semantics: the stop string is not part of the reply
+        end_markers = tuple(self.decode([i]) for i in sorted(self._eos_ids))
+        message = parse_completion(content_text, end_markers=end_markers)
+        finish = r.finish or "length"
+        if message.tool_calls and finish == "stop":
+            finish = "tool_calls"
+        return Turn(message=message, model=self.name, prompt_ids=list(r.prompt_ids), completion_ids=list(r.ids),
+                    logprobs=list(r.logprobs), loss_mask=[0] * len(r.prompt_ids) + [1] * len(r.ids),
+                    completion_text=text, finish_reason=finish,
+                    usage=Usage(prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.ids)),
+                    latency_s=time.perf_counter() - r.req.submitted)

@@ -1,0 +1,195 @@
+"""``vllm:`` backend: vLLM's offline engine in-process, token-exact like ``hf:``.
+
+Prompts are rendered and tokenised here with the checkpoint's chat template and handed to vLLM as
+token ids, so ``Turn.prompt_ids`` is exactly what the engine saw. The completion text is decoded
+here from the returned ids (special tokens kept), so ``decode(completion_ids) == completion_text``
+as for ``hf:``. Requests arriving within ``batch_wait_ms`` go to the engine in one ``generate``
+call, where vLLM batches them continuously; the engine is not thread-safe, so one worker thread
+owns it.
+
+Logprobs: the engine is asked for ``processed_logprobs`` (after temperature and top-p, where the
+installed vLLM supports ``logprobs_mode``), which differs from ``hf:`` only where top-p removed
+tokens; older vLLM reports raw logprobs and ``logprobs_mode`` in :attr:`VLLMClient.info` says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from closedloop.messages import Turn, Usage, _Message
+from closedloop.models.base import GenerateRequest, ModelClient, ModelError, SamplingParams, ToolChoice
+from closedloop.models.chat_format import parse_completion, render_messages, select_tools
+
+INSTALL_HINT = "the vllm: backend needs vLLM and a GPU: pip install closedloop[vllm]"
+
+
+def _import_vllm():
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise ModelError(INSTALL_HINT) from e
+    return vllm
+
+
+@dataclass
+class _Pending:
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class VLLMClient(ModelClient):
+    """A vLLM ``LLM`` engine behind the :class:`ModelClient` interface."""
+
+    def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.85, batch_wait_ms: float = 5.0, **engine_kwargs: Any):
+        vllm = _import_vllm()
+        self._vllm = vllm
+        kwargs: dict[str, Any] = {"model": model, "dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization,
+                                  **engine_kwargs}
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        self.info: dict[str, Any] = {"logprobs_mode": "processed_logprobs"}
+        try:
+            self.llm = vllm.LLM(logprobs_mode="processed_logprobs", **kwargs)
+        except TypeError:  # vLLM before logprobs_mode existed: raw logprobs only
+            self.llm = vllm.LLM(**kwargs)
+            self.info["logprobs_mode"] = "raw_logprobs"
+        self.tokenizer = self.llm.get_tokenizer()
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ModelError(f"{model} has no chat template; the vllm: backend needs a chat model")
+        self.name = model
+        self.spec = f"vllm:{model}"
+        self.batch_wait_s = batch_wait_ms / 1000.0
+        self.batch_sizes: list[int] = []
+        self._queue: queue.Queue[_Pending | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._lock = threading.Lock()
+        vocab = self.tokenizer.get_vocab()
+        self._end_markers = tuple(t for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", self.tokenizer.eos_token)
+                                  if t and t in vocab)
+
+    # ------------------------------------------------------------------ helpers
+
+    def encode_prompt(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+                      tool_choice: ToolChoice | None = None) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(render_messages(messages), tools=select_tools(tools, tool_choice),
+                                                 add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _sampling_params(self, p: SamplingParams):
+        return self._vllm.SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens,
+                                         stop=p.stop or None, seed=p.seed, logprobs=0 if p.logprobs else None,
+                                         include_stop_str_in_output=True, skip_special_tokens=False)
+
+    def _to_turn(self, pending: _Pending, output: Any) -> Turn:
+        comp = output.outputs[0]
+        ids = [int(t) for t in comp.token_ids]
+        logprobs = None
+        if comp.logprobs is not None:
+            logprobs = [float(step[t].logprob) for t, step in zip(ids, comp.logprobs)]
+        text = self.decode(ids)
+        content_text = text
+        stop = pending.params.stop
+        if comp.finish_reason == "stop" and stop:
+            cut = min((i for i in (text.find(s) for s in stop) if i != -1), default=-1)
+            if cut != -1:
+                content_text = text[:cut]
+        message = parse_completion(content_text, end_markers=self._end_markers)
+        finish = comp.finish_reason or "length"
+        if message.tool_calls and finish == "stop":
+            finish = "tool_calls"
+        prompt = list(output.prompt_token_ids or pending.prompt_ids)
+        return Turn(message=message, model=self.name, prompt_ids=prompt, completion_ids=ids, logprobs=logprobs,
+                    loss_mask=[0] * len(prompt) + [1] * len(ids), completion_text=text, finish_reason=finish,
+                    usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(ids)),
+                    latency_s=time.perf_counter() - pending.submitted)
+
+    # ------------------------------------------------------------------ API
+
+    async def generate(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+                       params: SamplingParams | None = None, tool_choice: ToolChoice | None = None) -> Turn:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.put(_Pending(self.encode_prompt(messages, tools, tool_choice), params or SamplingParams(),
+                                 loop, fut))
+        with self._lock:
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._work, name="closedloop-vllm", daemon=True)
+                self._worker.start()
+        return await fut
+
+    async def batch(self, requests: list[GenerateRequest]) -> list[Turn]:
+        return list(await asyncio.gather(*(self.generate(r.messages, r.tools, r.params, r.tool_choice)
+                                           for r in requests)))
+
+    async def generate_many(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+                            params: SamplingParams | None = None, n: int = 1,
+                            tool_choice: ToolChoice | None = None) -> list[Turn]:
+        """``n`` samples of one prompt; with a seed, sample ``i`` uses ``seed + i`` (as ``hf:``)."""
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        params = params or SamplingParams()
+        return await self.batch([GenerateRequest(messages, tools, params if params.seed is None else
+                                                 params.model_copy(update={"seed": params.seed + i}), tool_choice)
+                                 for i in range(n)])
+
+    async def aclose(self) -> None:
+        if self._worker is not None and self._worker.is_alive():
+            self._queue.put(None)
+            await asyncio.get_running_loop().run_in_executor(None, self._worker.join, 30)
+        self._worker = None
+
+    # ------------------------------------------------------------------ worker
+
+    def _work(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch, stop = [first], False
+            deadline = time.perf_counter() + self.batch_wait_s
+            while True:
+                remaining = deadline - time.perf_counter()
+                try:
+                    item = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            self.batch_sizes.append(len(batch))
+            try:
+                outputs = self.llm.generate([{"prompt_token_ids": b.prompt_ids} for b in batch],
+                                            sampling_params=[self._sampling_params(b.params) for b in batch],
+                                            use_tqdm=False)
+                results: list[Any] = [self._to_turn(b, o) for b, o in zip(batch, outputs)]
+            except Exception as e:
+                results = [ModelError(f"vLLM generation failed: {type(e).__name__}: {e}")] * len(batch)
+            for b, r in zip(batch, results):
+                def settle(b=b, r=r) -> None:
+                    if b.future.done():
+                        return
+                    if isinstance(r, BaseException):
+                        b.future.set_exception(r)
+                    else:
+                        b.future.set_result(r)
+                try:
+                    b.loop.call_soon_threadsafe(settle)
+                except RuntimeError:
+                    pass
+            if stop:
+                return
