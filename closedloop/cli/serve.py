@@ -1,0 +1,65 @@
+"""``closedloop serve``: serve a model spec over OpenAI's chat completions API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", required=True, help="model spec, e.g. hf:/path/to/checkpoint")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-name", default=None,
+                   help="the model name clients must send (default: the spec's model part)")
+    p.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="hf: most requests decoded together (the backend's default when unset)")
+    p.add_argument("--device", default=None, help="hf: torch device, e.g. cuda or cpu (default: cpu)")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="hf: torch intra-op threads; 1 avoids OpenMP oversubscription on a shared CPU")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from closedloop.models import make_client, parse_spec
+    from closedloop.server import create_app
+
+    try:
+        spec = parse_spec(args.model)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not 0 < args.port < 65536:
+        print(f"error: port {args.port} is out of range", file=sys.stderr)
+        return 2
+    kwargs = {}
+    if spec.backend == "hf":
+        if args.max_batch_size is not None:
+            if args.max_batch_size < 1:
+                print("error: --max-batch-size must be >= 1", file=sys.stderr)
+                return 2
+            kwargs["max_batch_size"] = args.max_batch_size
+        if args.device:
+            kwargs["device"] = args.device
+        if args.torch_threads is not None:
+            if args.torch_threads < 1:
+                print("error: --torch-threads must be >= 1", file=sys.stderr)
+                return 2
+            import torch
+
+            torch.set_num_threads(args.torch_threads)
+    elif args.max_batch_size is not None or args.device or args.torch_threads is not None:
+        print(f"error: --max-batch-size, --device and --torch-threads apply to hf: models, not {spec.backend}:",
+              file=sys.stderr)
+        return 2
+    client = make_client(spec, **kwargs)
+    app = create_app(client, args.served_name or spec.model, default_max_tokens=args.max_tokens)
+    print(f"serving {spec} as {args.served_name or spec.model!r} on http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,403 @@
+"""An OpenAI-compatible HTTP server over any :class:`~closedloop.models.base.ModelClient`.
+
+It lets anything that speaks OpenAI (our own ``openai:`` backend, LangChain, other agents'
+harnesses) drive a local model, while keeping what RL needs: exact token ids (vLLM's
+``return_token_ids``) and per-token logprobs.
+
+Requests are never serialised here: each one awaits the client concurrently, and the backend (the
+HF client's micro-batching queue) batches them on the device.
+
+Known limits, stated rather than hidden:
+
+* ``tool_choice="required"`` and a named function cannot be forced on a local model's decoding.
+  A named function is the only tool shown; when the reply has no (matching) call and sampling is
+  random, the request is re-asked up to ``max_reasks`` times (non-streaming requests only); the
+  last reply is returned as is. Greedy requests are not re-asked: the answer would not change.
+* ``top_logprobs`` entries are empty lists: the backends give the sampled token's logprob only.
+* When streaming, text arrives as deltas but logprobs, ``token_ids`` and ``prompt_token_ids``
+  arrive whole on each choice's final chunk (the one with ``finish_reason``), and tool calls
+  arrive complete, one delta each, after the text.
+* ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from closedloop.messages import Turn, _Message, content_text
+from closedloop.models.base import (ModelClient, ModelError, ModelUnavailableError, SamplingParams,
+                                    TextDelta, TurnDone)
+from closedloop.server.schemas import (ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs, ErrorBody,
+                                       ErrorResponse, ModelCard, ModelList, ResponseFunctionCall, ResponseMessage,
+                                       ResponseToolCall, TokenLogprob, UsageInfo)
+
+log = logging.getLogger("closedloop.server")
+
+# Markup a local model writes that never reaches ``content``; a streamed delta is held back while
+# the text so far could be the start of one of these.
+_MARKERS = ("<tool_call>", "<think>", "<|im_end|>", "<|endoftext|>")
+
+
+class APIError(Exception):
+    """An error the client sees as OpenAI's ``{"error": {...}}`` body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status)
+
+
+_UNION_LABELS = {"system", "user", "assistant", "tool", "str", "text", "image_url", "input_audio"}
+
+
+def _validation_error(e: ValidationError, prefix: str = "") -> APIError:
+    """The first problem as OpenAI reports it: a dotted ``param`` path and a message naming it.
+
+    Pydantic's location includes union-member labels (``user``, ``str``); they mean nothing to the
+    caller and are left out of the path.
+    """
+    def path(err: dict[str, Any]) -> str:
+        parts = [str(p) for p in err.get("loc", ())
+                 if not (isinstance(p, str) and (p in _UNION_LABELS or "[" in p))]
+        if prefix and parts[:1] == [prefix]:
+            parts = parts[1:]
+        return ".".join([prefix] + parts if prefix else parts)
+
+    errors = e.errors()
+    param = path(errors[0]) or None
+    # A union field fails once per member; show a few so "not a string" is not the only hint.
+    details = "; ".join(dict.fromkeys(f"{path(err) or 'body'}: {err.get('msg', 'invalid value')}"
+                                      for err in errors[:3]))
+    return APIError(400, details, param=param, code="invalid_value")
+
+
+def _model_failure(e: Exception) -> APIError:
+    """Map a backend exception: bad input the backend caught is the caller's (400), a dead
+    backend is 503, anything else is ours (500). The traceback goes to the log, not the wire."""
+    if isinstance(e, ModelUnavailableError):
+        return APIError(503, f"model unavailable: {e}", type="server_error", code="model_unavailable")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), code="invalid_value")
+    if isinstance(e, ModelError) and "context" in str(e) and "prompt" in str(e):
+        # The hf: backend reports an over-long prompt this way; like OpenAI, that is the caller's.
+        return APIError(400, str(e), param="messages", code="context_length_exceeded")
+    log.error("model call failed", exc_info=e)
+    kind = "model error" if isinstance(e, ModelError) else "internal error"
+    return APIError(500, f"{kind}: {type(e).__name__}: {e}", type="server_error", code="model_error")
+
+
+# --------------------------------------------------------------------------- conversions
+
+
+def _finish_reason(turn: Turn) -> str:
+    if turn.message.tool_calls:
+        return "tool_calls"
+    return "length" if turn.finish_reason == "length" else "stop"
+
+
+def _decode_tokens(client: ModelClient, ids: list[int]) -> list[str]:
+    """Each token's text, for logprobs. Without a tokenizer, vLLM's ``token_id:N`` convention."""
+    tok = getattr(client, "tokenizer", None)
+    if tok is not None:
+        try:
+            return [tok.decode([i]) for i in ids]
+        except Exception:  # noqa: BLE001 - a tokenizer quirk must not fail the request
+            log.warning("could not decode token ids for logprobs", exc_info=True)
+    return [f"token_id:{i}" for i in ids]
+
+
+def _logprobs(client: ModelClient, turn: Turn) -> ChoiceLogprobs | None:
+    if turn.completion_ids is None or turn.logprobs is None:
+        return ChoiceLogprobs(content=[])
+    tokens = _decode_tokens(client, turn.completion_ids)
+    # JSON has no -inf; vLLM clamps the same way.
+    return ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=max(lp, -9999.0) if lp == lp else -9999.0,
+                                                bytes=list(t.encode("utf-8")), top_logprobs=[])
+                                   for t, lp in zip(tokens, turn.logprobs)])
+
+
+def _tool_calls(turn: Turn) -> list[ResponseToolCall] | None:
+    if not turn.message.tool_calls:
+        return None
+    return [ResponseToolCall(id=c.id,
+                             function=ResponseFunctionCall(name=c.function.name, arguments=c.function.arguments))
+            for c in turn.message.tool_calls]
+
+
+def _content(turn: Turn) -> str | None:
+    if turn.message.content is None:
+        return None
+    return content_text(turn.message.content)
+
+
+def _usage(turns: list[Turn]) -> UsageInfo:
+    """OpenAI counts the prompt once for ``n`` choices and sums the completions."""
+    prompt = max((t.usage.prompt_tokens or len(t.prompt_ids or []) for t in turns), default=0)
+    completion = sum(t.usage.completion_tokens or len(t.completion_ids or []) for t in turns)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _visible_prefix(raw: str, stops: list[str] | None = None) -> str:
+    """The part of raw streamed text certain to be in the final ``content``: cut at markup and stop
+    strings (the backend streams them, the reply leaves them out), with a possible partial marker
+    and surrounding whitespace held back (the parser strips content)."""
+    markers = _MARKERS + tuple(stops or ())
+    cut = len(raw)
+    for m in markers:
+        idx = raw.find(m)
+        if idx != -1:
+            cut = min(cut, idx)
+    text = raw[:cut]
+    if cut == len(raw):
+        hold = 0
+        for m in markers:
+            for k in range(min(len(m) - 1, len(text)), 0, -1):
+                if text.endswith(m[:k]):
+                    hold = max(hold, k)
+                    break
+        text = text[:len(text) - hold]
+    return text.strip()
+
+
+# --------------------------------------------------------------------------- the app
+
+
+class _Server:
+    def __init__(self, client: ModelClient, model_name: str, default_max_tokens: int, max_reasks: int) -> None:
+        self.client = client
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.max_reasks = max_reasks
+        self.created = int(time.time())
+
+    # ----------------------------------------------------------------- request parsing
+
+    async def parse(self, request: Request) -> tuple[ChatCompletionRequest, list[_Message]]:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        if req.model != self.model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist. This server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+        try:
+            messages = req.typed_messages()
+        except ValidationError as e:
+            raise _validation_error(e, "messages") from None
+        return req, messages
+
+    def sampling(self, req: ChatCompletionRequest, choice: int = 0) -> SamplingParams:
+        # n choices with one seed would be n copies; each choice gets its own derived seed.
+        seed = None if req.seed is None else req.seed + choice
+        return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                              top_p=1.0 if req.top_p is None else req.top_p,
+                              max_tokens=req.max_new_tokens or self.default_max_tokens,
+                              stop=req.stop, seed=seed, logprobs=True)
+
+    @staticmethod
+    def tools_for(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, Any]:
+        choice = req.tool_choice_value()
+        tools = req.tool_dicts()
+        if choice == "none":
+            return None, None
+        if isinstance(choice, dict):
+            name = choice["function"]["name"]
+            tools = [t for t in tools or [] if t["function"]["name"] == name]
+        return tools, choice
+
+    def satisfies(self, turn: Turn, choice: Any) -> bool:
+        calls = turn.message.tool_calls or []
+        if choice == "required":
+            return bool(calls)
+        if isinstance(choice, dict):
+            return any(c.function.name == choice["function"]["name"] for c in calls)
+        return True
+
+    # ----------------------------------------------------------------- generation
+
+    async def one(self, messages: list[_Message], tools, choice, params: SamplingParams) -> Turn:
+        turn = await self.client.generate(messages, tools, params, choice)
+        tries = 0
+        while not self.satisfies(turn, choice) and params.temperature > 0 and tries < self.max_reasks:
+            tries += 1
+            if params.seed is not None:
+                params = params.model_copy(update={"seed": params.seed + 1000 * tries})
+            turn = await self.client.generate(messages, tools, params, choice)
+        return turn
+
+    async def complete(self, req: ChatCompletionRequest, messages: list[_Message]) -> ChatCompletion:
+        tools, choice = self.tools_for(req)
+        try:
+            turns = await asyncio.gather(*(self.one(messages, tools, choice, self.sampling(req, i))
+                                           for i in range(req.n)))
+        except Exception as e:  # noqa: BLE001 - mapped to a JSON error, never a bare 500
+            raise _model_failure(e) from None
+        choices = []
+        for i, turn in enumerate(turns):
+            choices.append(Choice(
+                index=i,
+                message=ResponseMessage(content=_content(turn), tool_calls=_tool_calls(turn),
+                                        reasoning_content=turn.message.reasoning),
+                logprobs=_logprobs(self.client, turn) if req.logprobs else None,
+                finish_reason=_finish_reason(turn),
+                token_ids=list(turn.completion_ids) if req.return_token_ids and turn.completion_ids is not None
+                else None))
+        prompt_ids = turns[0].prompt_ids if req.return_token_ids else None
+        return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name,
+                              choices=choices, usage=_usage(list(turns)),
+                              prompt_token_ids=list(prompt_ids) if prompt_ids is not None else None)
+
+    async def stream(self, req: ChatCompletionRequest, messages: list[_Message]) -> AsyncIterator[str]:
+        """SSE lines. Each choice runs as its own task; their events interleave as they come."""
+        tools, choice = self.tools_for(req)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created,
+                                    "model": self.model_name, "system_fingerprint": None, "choices": choices}
+            if include_usage:
+                body["usage"] = None
+            body.update(extra)
+            return f"data: {json.dumps(body)}\n\n"
+
+        async def run_choice(i: int) -> None:
+            params = self.sampling(req, i)
+            try:
+                done = False
+                async for ev in self.client.stream(messages, tools, params, choice):
+                    done = done or isinstance(ev, TurnDone)
+                    await queue.put((i, ev))
+                if not done:
+                    raise ModelError("the backend's stream ended without a final turn")
+            except Exception as e:  # noqa: BLE001 - reported in-band below
+                await queue.put((i, e))
+
+        tasks = [asyncio.create_task(run_choice(i)) for i in range(req.n)]
+        raw = [""] * req.n
+        sent = [""] * req.n
+        turns: list[Turn | None] = [None] * req.n
+        try:
+            for i in range(req.n):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            remaining = req.n
+            while remaining:
+                i, ev = await queue.get()
+                if isinstance(ev, Exception):
+                    err = _model_failure(ev)  # headers are sent: the error goes in-band, as vLLM does
+                    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+                    yield f"data: {json.dumps(body)}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                if isinstance(ev, TextDelta):
+                    raw[i] += ev.text
+                    visible = _visible_prefix(raw[i], req.stop)
+                    if visible.startswith(sent[i]) and len(visible) > len(sent[i]):
+                        delta, sent[i] = visible[len(sent[i]):], visible
+                        yield chunk([{"index": i, "delta": {"content": delta}, "logprobs": None,
+                                      "finish_reason": None}])
+                    continue
+                if not isinstance(ev, TurnDone):
+                    continue
+                turn = turns[i] = ev.turn
+                remaining -= 1
+                final = _content(turn) or ""
+                if final.startswith(sent[i]) and len(final) > len(sent[i]):
+                    yield chunk([{"index": i, "delta": {"content": final[len(sent[i]):]}, "logprobs": None,
+                                  "finish_reason": None}])
+                elif not final.startswith(sent[i]):
+                    log.warning("streamed text diverged from the final content of choice %d", i)
+                for k, call in enumerate(_tool_calls(turn) or []):
+                    yield chunk([{"index": i, "delta": {"tool_calls": [{"index": k, **call.model_dump()}]},
+                                  "logprobs": None, "finish_reason": None}])
+                final_choice: dict[str, Any] = {
+                    "index": i, "delta": {},
+                    "logprobs": _logprobs(self.client, turn).model_dump() if req.logprobs else None,
+                    "finish_reason": _finish_reason(turn)}
+                extra: dict[str, Any] = {}
+                if req.return_token_ids:
+                    final_choice["token_ids"] = turn.completion_ids
+                    extra["prompt_token_ids"] = turn.prompt_ids
+                yield chunk([final_choice], **extra)
+            if include_usage:
+                yield chunk([], usage=_usage([t for t in turns if t is not None]).model_dump())
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int = 256, max_reasks: int = 2) -> FastAPI:
+    """The FastAPI app serving ``client`` as ``model_name`` (the only name requests may use)."""
+    server = _Server(client, model_name, default_max_tokens, max_reasks)
+    app = FastAPI(title="closedloop", docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind, code=str(exc.status_code)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return APIError(400, str(exc.errors()[0].get("msg", "invalid request")), code="invalid_value").response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error", exc_info=exc)
+        return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        # The micro-batcher's record (when the backend keeps one) shows whether requests batched.
+        stats = getattr(client, "batch_stats", None)
+        return {"status": "ok", **({"batches": stats()} if callable(stats) else {})}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return ModelList(data=[ModelCard(id=model_name, created=server.created)]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return ModelCard(id=model_name, created=server.created).model_dump()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req, messages = await server.parse(request)
+        if req.stream:
+            return StreamingResponse(server.stream(req, messages), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        result = await server.complete(req, messages)
+        return JSONResponse(result.model_dump(exclude_none=False))
+
+    return app

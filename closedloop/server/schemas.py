@@ -1,0 +1,224 @@
+"""The wire format of ``/v1/chat/completions``: what a request may hold and what a response holds.
+
+Requests are validated here, at the boundary, so a malformed body becomes a 400 naming the
+offending field instead of an exception deep in a backend. Unknown top-level fields are ignored
+(as vLLM does) so newer clients keep working; the penalties are validated but have no effect
+(see the server module's list of limits).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from closedloop.messages import _Message, parse_messages
+
+# Keys OpenAI clients put on messages that carry nothing for generation; dropped before validation.
+_HARMLESS_MESSAGE_KEYS = {"refusal", "audio", "annotations", "function_call"}
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(BaseModel):
+    """A chat completion request in OpenAI's format, plus vLLM's ``return_token_ids``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Union[Literal["auto", "none", "required"], NamedToolChoice] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: Union[str, list[str]] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    return_token_ids: bool = False
+    response_format: ResponseFormat | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops or None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice is set but no tools were given")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, "
+                                 f"which is not among the tools given")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format {self.response_format.type!r} is not supported by this server")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def typed_messages(self) -> list[_Message]:
+        """The messages as our typed models; raises pydantic's ValidationError when malformed.
+
+        OpenAI's newer ``developer`` role is the old ``system`` role under another name.
+        """
+        cleaned = []
+        for m in self.messages:
+            m = {k: v for k, v in m.items() if not (k in _HARMLESS_MESSAGE_KEYS or v is None and k != "content")}
+            if m.get("role") == "developer":
+                m["role"] = "system"
+            if m.get("role") in ("system", "assistant"):
+                m.pop("name", None)  # OpenAI allows a participant name here; it does not reach the model
+            cleaned.append(m)
+        return parse_messages(cleaned)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_choice_value(self) -> Any:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+    reasoning_content: str | None = None  # vLLM's name for chain-of-thought split off the content
+
+
+class Choice(BaseModel):
+    index: int
+    message: ResponseMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = None  # vLLM, with return_token_ids
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM, with return_token_ids
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "closedloop"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
