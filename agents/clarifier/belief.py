@@ -5,7 +5,8 @@ The belief is the posterior over a finite candidate set G given the conversation
     b(g) = p(g) · p_φ(g | h)^(1/τ) / Σ_g' p(g') · p_φ(g' | h)^(1/τ)
 
 with a prior p(g) (uniform by default) and the frozen scorer's teacher-forced likelihoods at
-temperature τ (length-normalised per token so long goals are not penalised for their length).
+temperature τ. ``length_normalize`` divides each log-likelihood by the goal's token count, for
+candidate sets whose lengths differ a lot (it flattens the belief, so it is off by default).
 The clarifier asks only while the belief is uncertain, measured by its normalised entropy
 H(b)/log|G| ∈ [0, 1] ("surgical" clarification), and never more than a budget of questions.
 """
@@ -47,12 +48,14 @@ class BeliefTracker:
     scorer: GoalScorer
     temperature: float = 1.0
     prior: dict[str, float] = field(default_factory=dict)
+    length_normalize: bool = False
 
     def belief(self, messages: Sequence[_Message], candidates: Sequence[str]) -> Belief:
         if not candidates:
             raise ValueError("a belief needs at least one candidate goal")
         scores = self.scorer.logprobs([messages] * len(candidates), list(candidates))
-        lengths = [max(1, len(self.scorer.tokenizer(g, add_special_tokens=False)["input_ids"])) for g in candidates]
+        lengths = [max(1, len(self.scorer.tokenizer(g, add_special_tokens=False)["input_ids"]))
+                   if self.length_normalize else 1 for g in candidates]
         logits = [s / n / self.temperature + math.log(self.prior.get(g, 1.0)) for s, n, g in zip(scores, lengths, candidates)]
         top = max(logits)
         weights = [math.exp(x - top) for x in logits]

@@ -82,6 +82,8 @@ class TinyConfig:
     batch_size: int = 8
     learning_rate: float = 3e-3
     n_conversations: int = 600
+    # Relative weight of goal-restatement examples (tool use weighs 9, chit-chat 2).
+    goal_weight: float = 8.0
     # One thread: on a shared CPU, several OpenMP threads spin against each other (40x slower).
     torch_threads: int = 1
 
@@ -126,13 +128,48 @@ CHAT = [("Hello!", "Hello! How can I help you today?"), ("Hi", "Hi! How can I he
         ("Goodbye.", "Goodbye! Have a nice day.")]
 SYSTEMS = [None, None, "You are a helpful assistant.", "You are a concise assistant."]
 
+# Goal restatement: the model learns to copy the details a user gave (possibly only after a
+# clarifying question) into a one-line summary. The clarifier's frozen scorer asks exactly this
+# (closedloop.agents.clarifier.scorer uses the same request and prefix), so the tiny model is a
+# meaningful scorer in tests: a goal stated in the conversation becomes likely, one that was not
+# stays unlikely.
+GOAL_REQUEST = "Summarise what the user wants, as one line."
+GOAL_PREFIX = "The user's goal: "
+GOAL_ACTS = ["return", "exchange", "cancel"]
+GOAL_ITEMS = ["kettle", "lamp", "keyboard", "watch", "backpack", "headphones", "mug", "jacket"]
+GOAL_COLORS = ["red", "blue", "green", "black", "white", "silver"]
 
-def synthetic_conversation(rng: random.Random) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+
+def goal_conversation(rng: random.Random) -> list[dict[str, Any]]:
+    act, item, color = rng.choice(GOAL_ACTS), rng.choice(GOAL_ITEMS), rng.choice(GOAL_COLORS)
+    detail = f"the {color} {item}"
+    vague = f"I want to {act} an item."
+    question = rng.choice(["Which item do you mean?", "Which one do you mean?",
+                           "Could you tell me which item you mean?"])
+    unknown = f"{act} an item; the details are unknown."
+    # Uninformative exchanges (no answer, "not sure", the request repeated) leave the goal as
+    # unknown as it was before the question, so the scorer learns that they carry no information.
+    style = rng.choice(["direct", "vague", "asked", "asked", "unsure", "empty", "repeat"])
+    if style == "direct":
+        msgs, goal = [{"role": "user", "content": f"I want to {act} {detail}."}], f"{act} {detail}."
+    elif style == "vague":
+        msgs, goal = [{"role": "user", "content": vague}], unknown
+    else:
+        answer = {"asked": f"It is {detail}.", "unsure": "I am not sure.", "empty": "", "repeat": vague}[style]
+        msgs = [{"role": "user", "content": vague}, {"role": "assistant", "content": question},
+                {"role": "user", "content": answer}]
+        goal = f"{act} {detail}." if style == "asked" else unknown
+    return msgs + [{"role": "user", "content": GOAL_REQUEST}, {"role": "assistant", "content": GOAL_PREFIX + goal}]
+
+
+def synthetic_conversation(rng: random.Random, goal_weight: float = 8.0) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """One ``(messages, tools)`` example in template-dict form: a tool-use exchange or chit-chat."""
     system = rng.choice(SYSTEMS)
     msgs: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     schemas = tool_schemas(rng)
-    kind = rng.choices(["add", "multiply", "get_weather", "chat"], weights=[4, 3, 2, 2])[0]
+    kind = rng.choices(["add", "multiply", "get_weather", "chat", "goal"], weights=[4, 3, 2, 2, goal_weight])[0]
+    if kind == "goal":
+        return msgs + goal_conversation(rng), None
     if kind == "chat":
         user, reply = rng.choice(CHAT)
         tools = None
@@ -289,7 +326,7 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, train_steps: int = 500,
     torch.set_num_threads(cfg.torch_threads)
     try:
         rng = random.Random(cfg.seed)
-        convs = [synthetic_conversation(rng) for _ in range(cfg.n_conversations)]
+        convs = [synthetic_conversation(rng, cfg.goal_weight) for _ in range(cfg.n_conversations)]
         tokenizer = build_tokenizer(cfg, [_render_plain(m, t) for m, t in convs])
         examples = [_encode_example(tokenizer, m, t) for m, t in convs]
 

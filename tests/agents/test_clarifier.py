@@ -1,0 +1,117 @@
+"""The information-gain clarifier: the IG reward with the tiny model as frozen scorer, the belief,
+and the clarifier graph's ask-or-proceed decision."""
+
+import math
+
+import pytest
+import torch
+
+from closedloop.agents.clarifier.belief import Belief, BeliefTracker, should_ask
+from closedloop.agents.clarifier.reward import (clarification_exchanges, information_gain,
+                                                trajectory_information_gain)
+from closedloop.agents.clarifier.scorer import GoalScorer
+from closedloop.graphs.clarifier import build_clarifier_graph
+from closedloop.messages import AssistantMessage, Trajectory, UserMessage
+from closedloop.models.scripted import ScriptedClient
+
+REQUEST = [UserMessage(content="I want to return an item.")]
+QUESTION = "Which item do you mean?"
+GOALS = ["return the blue kettle.", "return the red lamp.", "return the silver watch."]
+
+
+@pytest.fixture(scope="module")
+def scorer(scorer_model_path):
+    return GoalScorer.from_pretrained(scorer_model_path)
+
+
+def test_ig_is_clearly_positive_when_the_answer_states_the_goal(scorer):
+    for goal in GOALS:
+        detail = goal.removeprefix("return ").rstrip(".")
+        assert information_gain(scorer, REQUEST, QUESTION, f"It is {detail}.", goal) > 3.0
+
+
+@pytest.mark.parametrize("answer", ["", "I am not sure.", REQUEST[0].content])  # empty, unhelpful, a repeat
+def test_ig_is_near_zero_for_an_uninformative_answer(scorer, answer):
+    for goal in GOALS:
+        informative = information_gain(scorer, REQUEST, QUESTION, f"It is {goal.removeprefix('return ').rstrip('.')}.", goal)
+        uninformative = information_gain(scorer, REQUEST, QUESTION, answer, goal)
+        assert abs(uninformative) < 1.5
+        assert informative - uninformative > 3.0
+
+
+def test_ig_is_unchanged_by_a_policy_update(scorer_model_path):
+    """The scorer snapshots its model: training the policy it came from does not move the reward."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    policy = AutoModelForCausalLM.from_pretrained(str(scorer_model_path))
+    tok = AutoTokenizer.from_pretrained(str(scorer_model_path))
+    frozen = GoalScorer(policy, tok)
+    args = (REQUEST, QUESTION, "It is the blue kettle.", GOALS[0])
+    before = information_gain(frozen, *args)
+    opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+    batch = tok("The user's goal: return the red lamp.", return_tensors="pt")
+    for _ in range(3):
+        loss = policy(**batch, labels=batch["input_ids"]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert information_gain(frozen, *args) == pytest.approx(before, abs=1e-5)
+    assert information_gain(GoalScorer(policy, tok), *args) != pytest.approx(before, abs=1e-3)  # the update was real
+
+
+def test_trajectory_ig_finds_each_exchange_and_batches(scorer):
+    traj = Trajectory(messages=[*REQUEST, AssistantMessage(content=QUESTION), UserMessage(content="It is the red lamp."),
+                                AssistantMessage(content="Done. Anything else?"), UserMessage(content="No.")])
+    assert [e.index for e in clarification_exchanges(traj.messages)] == [1, 3]
+    gains = trajectory_information_gain(scorer, traj, GOALS[1])
+    assert [i for i, _ in gains] == [1, 3]
+    assert gains[0][1] == pytest.approx(information_gain(scorer, REQUEST, QUESTION, "It is the red lamp.", GOALS[1]), abs=1e-3)
+
+
+def test_belief_is_a_distribution_and_entropy_gates_asking(scorer):
+    belief = BeliefTracker(scorer).belief(REQUEST, GOALS)
+    assert math.isclose(sum(belief.probs), 1.0, rel_tol=1e-9) and 0.0 <= belief.normalized_entropy <= 1.0
+    told = BeliefTracker(scorer).belief(REQUEST + [AssistantMessage(content=QUESTION),
+                                                   UserMessage(content="It is the red lamp.")], GOALS)
+    assert told.map_goal == GOALS[1]
+    assert told.as_dict()[GOALS[1]] > belief.as_dict()[GOALS[1]] + 0.3  # the answer moved mass onto the told goal
+    assert should_ask(Belief(["a", "b"], [0.5, 0.5]), threshold=0.5)
+    assert not should_ask(Belief(["a", "b"], [0.99, 0.01]), threshold=0.5)
+    assert not should_ask(Belief(["a", "b"], [0.5, 0.5]), asked=1, budget=1)
+
+
+async def test_clarifier_graph_asks_once_then_proceeds(scorer):
+    policy = ScriptedClient([AssistantMessage(content="Which item would you like to return?"),
+                             AssistantMessage(content="I have started the return.")])
+    graph = build_clarifier_graph(policy, scorer=scorer, candidates=lambda msgs: GOALS, threshold=0.3,
+                                  checkpointer=__import__("closedloop.runtime", fromlist=["x"]).make_checkpointer("memory"))
+    cfg = {"configurable": {"thread_id": "c1"}}
+    out = await graph.ainvoke({"messages": REQUEST}, cfg)
+    assert out["messages"][-1].text.endswith("?") and out["scratch"]["decision"] == "ask"
+    assert set(out["scratch"]["belief"]) == set(GOALS)
+    out = await graph.ainvoke({"messages": [UserMessage(content="It is the red lamp.")]}, cfg)
+    assert out["scratch"]["decision"] == "proceed"  # budget of one question spent
+    assert out["messages"][-1].text == "I have started the return."
+
+
+async def test_clarifier_proceeds_when_confident(scorer):
+    policy = ScriptedClient([AssistantMessage(content="Sure, done.")])
+    graph = build_clarifier_graph(policy, scorer=scorer, candidates=lambda msgs: GOALS[:1])
+    out = await graph.ainvoke({"messages": REQUEST})
+    assert out["scratch"]["decision"] == "proceed" and out["messages"][-1].text == "Sure, done."
+    graph = build_clarifier_graph(ScriptedClient([AssistantMessage(content="ok")]), scorer=scorer,
+                                  candidates=lambda msgs: GOALS, threshold=1.01)
+    assert (await graph.ainvoke({"messages": REQUEST}))["scratch"]["decision"] == "proceed"
+
+
+async def test_clarifier_templates_a_question_and_drops_its_tokens_when_the_model_does_not_ask(scorer):
+    policy = ScriptedClient([AssistantMessage(content="ok")])
+    graph = build_clarifier_graph(policy, scorer=scorer, candidates=lambda msgs: GOALS, threshold=0.0)
+    out = await graph.ainvoke({"messages": REQUEST})
+    assert out["messages"][-1].text.startswith("Could you tell me which you mean")
+    assert out["turns"][-1].completion_ids is None
+
+
+def test_clarifier_needs_a_scorer_for_remote_models():
+    with pytest.raises(ValueError, match="needs a scorer"):
+        build_clarifier_graph(ScriptedClient([]))
