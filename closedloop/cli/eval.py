@@ -46,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--episode-timeout", type=float, metavar="S", help="seconds before an episode ends as timeout")
     t.add_argument("--seed", type=int, default=300, help="master seed; one seed per trial derives from it (tau2)")
     t.add_argument("--temperature", type=float, default=0.0, help="agent sampling temperature")
+    t.add_argument("--user-temperature", type=float, default=0.0, help="user simulator sampling temperature (tau2: 0)")
     t.add_argument("--max-tokens", type=int, default=1024, help="agent max tokens per turn")
     t.add_argument("--clarify", action="store_true", help="clarification-enhanced tasks (one detail withheld)")
     t.add_argument("--store", help="run store file (default: $CLOSEDLOOP_STORE or ~/.closedloop/runs.duckdb)")
@@ -146,7 +147,8 @@ async def _tau(args: argparse.Namespace) -> int:
         user_model=None if user_spec == SCENARIO_USER else user_spec, judge_model=args.judge_model,
         trials=args.trials, concurrency=args.concurrency, max_steps=args.max_steps, max_errors=args.max_errors,
         episode_timeout_s=args.episode_timeout, seed=args.seed, clarify=args.clarify,
-        temperature=None if oracle else args.temperature, max_tokens=None if oracle else args.max_tokens)
+        temperature=None if oracle else args.temperature, max_tokens=None if oracle else args.max_tokens,
+        user_temperature=args.user_temperature)
 
     clients: list[Any] = []
     agent_client = None if oracle else make_client(args.model)

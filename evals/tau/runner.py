@@ -42,7 +42,7 @@ from closedloop.evals.tau.orchestrator import Orchestrator, make_user
 from closedloop.evals.tau.results import RunInfo, write_results
 from closedloop.evals.tau.simulation import SimulationRun, TerminationReason
 from closedloop.messages import Usage
-from closedloop.models.base import ModelClient
+from closedloop.models.base import ModelClient, SamplingParams
 from closedloop.store import RunStateError, RunStore, pricing
 
 __all__ = ["EvalSettings", "EvalProgress", "EvalReport", "EvalConfigError", "TauRunner", "trial_seeds",
@@ -50,7 +50,7 @@ __all__ = ["EvalSettings", "EvalProgress", "EvalReport", "EvalConfigError", "Tau
 
 # Settings that change what an episode is; a resume with different values would mix two evals.
 RESUME_KEYS = ("domain", "split", "task_file_sha256", "agent", "model", "user_model", "judge_model", "seed",
-               "max_steps", "max_errors", "clarify", "temperature", "max_tokens")
+               "max_steps", "max_errors", "clarify", "temperature", "max_tokens", "user_temperature")
 
 
 class EvalConfigError(ValueError):
@@ -86,6 +86,7 @@ class EvalSettings(BaseModel):
     clarify: bool = False
     temperature: float | None = None
     max_tokens: int | None = None
+    user_temperature: float = 0.0  # tau2 samples the user at temperature 0
 
     @property
     def seeds(self) -> list[int]:
@@ -230,7 +231,8 @@ class TauRunner:
     async def _simulate(self, task: Task, trial: int) -> SimulationRun:
         s, seed = self.settings, self._seeds[trial]
         env = await asyncio.to_thread(self.data.make_environment)  # CPU-bound: see _grade
-        user = make_user(task, self.user_for(task), guidelines=self.guidelines, seed=seed)
+        user_params = SamplingParams(temperature=s.user_temperature, max_tokens=1024, logprobs=False, seed=seed)
+        user = make_user(task, self.user_for(task), guidelines=self.guidelines, params=user_params, seed=seed)
         orch = Orchestrator(task, env, user, domain=self.data.name, max_steps=s.max_steps, max_errors=s.max_errors,
                             timeout_s=s.episode_timeout_s, seed=seed, trial=trial)
         agent = self.agents(trial)(task)

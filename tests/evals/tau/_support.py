@@ -4,13 +4,23 @@ outside model services, behind the real ModelClient interface)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
 from closedloop.messages import AssistantMessage, Turn, Usage, _Message
 from closedloop.models.base import ModelClient
 
-ANCHORS = Path("/work/shared/anchors")
+def _anchors() -> Path:
+    """The real tau2 data: $TAU2_DATA_DIR, else ../shared/anchors beside the repository."""
+    repo = Path(__file__).resolve().parents[3]
+    for cand in (os.environ.get("TAU2_DATA_DIR"), repo.parent / "shared" / "anchors", "/work/shared/anchors"):
+        if cand and (Path(cand) / "tau2" / "domains" / "retail").is_dir():
+            return Path(cand)
+    return repo.parent / "shared" / "anchors"
+
+
+ANCHORS = _anchors()
 
 
 def _addr(zip_: str) -> dict[str, str]:
