@@ -20,7 +20,7 @@ from closedloop.agents.clarifier.scorer import GoalScorer
 from closedloop.graphs.react import DEFAULT_SYSTEM_PROMPT
 from closedloop.messages import AssistantMessage, SystemMessage, UserMessage, _Message
 from closedloop.models.base import ModelClient, SamplingParams
-from closedloop.runtime import AgentState, make_model_node, make_tool_node, route_after_model
+from closedloop.runtime import AgentState, make_model_node, wire_tool_loop
 from closedloop.tool import ToolRegistry
 
 Candidates = Callable[[Sequence[_Message]], Sequence[str]]
@@ -115,10 +115,5 @@ def build_clarifier_graph(client: ModelClient, tools: ToolRegistry | None = None
     graph.add_conditional_edges("assess", lambda s: "ask" if s["scratch"]["decision"] == "ask" else "model",
                                 {"ask": "ask", "model": "model"})
     graph.add_edge("ask", END)
-    if execute_tools:
-        graph.add_node("tools", make_tool_node(tools, approve=approve))
-        graph.add_conditional_edges("model", route_after_model(max_turns), {"tools": "tools", END: END})
-        graph.add_edge("tools", "model")
-    else:
-        graph.add_edge("model", END)
+    wire_tool_loop(graph, tools, approve=approve, max_turns=max_turns, execute_tools=execute_tools)
     return graph.compile(checkpointer=checkpointer, name="clarifier")

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Collection
 
-from langgraph.graph import END, START, StateGraph
+from langgraph.graph import START, StateGraph
 
 from closedloop.models.base import ModelClient, SamplingParams
-from closedloop.runtime import AgentState, make_model_node, make_tool_node, route_after_model
+from closedloop.runtime import AgentState, make_model_node, wire_tool_loop
 from closedloop.tool import ToolRegistry
 
 DEFAULT_SYSTEM_PROMPT = ("You are a helpful assistant. Use the tools when they help; "
@@ -35,10 +35,5 @@ def build_react_graph(client: ModelClient, tools: ToolRegistry | None = None, *,
     graph.add_node("model", make_model_node(client, tools, system_prompt=system_prompt, params=params,
                                             stream_tokens=stream_tokens))
     graph.add_edge(START, "model")
-    if execute_tools:
-        graph.add_node("tools", make_tool_node(tools, approve=approve))
-        graph.add_conditional_edges("model", route_after_model(max_turns), {"tools": "tools", END: END})
-        graph.add_edge("tools", "model")
-    else:
-        graph.add_edge("model", END)
+    wire_tool_loop(graph, tools, approve=approve, max_turns=max_turns, execute_tools=execute_tools)
     return graph.compile(checkpointer=checkpointer, name="react")

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import queue
 import secrets
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,6 +28,7 @@ from typing import Any, AsyncIterator, Callable
 from closedloop.messages import Turn, Usage, _Message
 from closedloop.models.base import (GenerateRequest, ModelClient, ModelError, SamplingParams, StreamEvent,
                                     TextDelta, ToolChoice, TurnDone)
+from closedloop.models.batching import MicroBatcher, settle
 from closedloop.models.chat_format import parse_completion, render_messages, select_tools
 
 
@@ -80,9 +79,8 @@ class HFClient(ModelClient):
         self.batch_wait_s = batch_wait_ms / 1000.0
         #: How many requests each device batch held, in order; the micro-batcher's observable effect.
         self.batch_sizes: list[int] = []
-        self._queue: queue.Queue[_Request | None] = queue.Queue()
-        self._worker: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._batcher: MicroBatcher[_Request] = MicroBatcher(self._run_batch, max_batch_size=max_batch_size,
+                                                             wait_s=self.batch_wait_s, name="closedloop-hf-batcher")
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
         self._eos_ids = self._stop_token_ids()
@@ -207,11 +205,7 @@ class HFClient(ModelClient):
                 "histogram": dict(sorted(Counter(sizes).items()))}
 
     async def aclose(self) -> None:
-        worker = self._worker
-        if worker is not None and worker.is_alive():
-            self._queue.put(None)
-            await asyncio.get_running_loop().run_in_executor(None, worker.join, 10)
-        self._worker = None
+        await self._batcher.close()
 
     # ------------------------------------------------------------------ queue and worker
 
@@ -220,55 +214,12 @@ class HFClient(ModelClient):
         fut = loop.create_future()
         # Prompts are encoded in the worker, so concurrent callers enqueue at once and land in
         # the same batch instead of trickling in behind each other's tokenisation.
-        self._queue.put(_Request(list(messages), tools, params or SamplingParams(), tool_choice, loop, fut, on_delta))
-        self._ensure_worker()
+        self._batcher.put(_Request(list(messages), tools, params or SamplingParams(), tool_choice, loop, fut, on_delta))
         return fut
-
-    def _ensure_worker(self) -> None:
-        with self._lock:
-            if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(target=self._work, name="closedloop-hf-batcher", daemon=True)
-                self._worker.start()
-
-    def _work(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            batch = [first]
-            deadline = time.perf_counter() + self.batch_wait_s
-            stop = False
-            while len(batch) < self.max_batch_size:
-                remaining = deadline - time.perf_counter()
-                try:
-                    item = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                batch.append(item)
-            live = [r for r in batch if not r.future.cancelled()]
-            if live:
-                self._run_batch(live)
-            if stop:
-                return
 
     @staticmethod
     def _resolve(req: _Request, result: Turn | None = None, error: BaseException | None = None) -> None:
-        def settle() -> None:
-            if req.future.done():
-                return
-            if error is not None:
-                req.future.set_exception(error)
-            else:
-                req.future.set_result(result)
-        try:
-            req.loop.call_soon_threadsafe(settle)
-        except RuntimeError:
-            pass  # the caller's loop is closed; nobody is waiting
-
-    # ------------------------------------------------------------------ decoding
+        settle(req.loop, req.future, result, error)
 
     def _run_batch(self, reqs: list[_Request]) -> None:
         import torch

@@ -136,13 +136,13 @@ SYSTEMS = [None, None, "You are a helpful assistant.", "You are a concise assist
 GOAL_REQUEST = "Summarise what the user wants, as one line."
 GOAL_PREFIX = "The user's goal: "
 GOAL_ACTS = ["return", "exchange", "cancel"]
-GOAL_ITEMS = ["kettle", "lamp", "keyboard", "watch", "backpack", "headphones", "mug", "jacket"]
-GOAL_COLORS = ["red", "blue", "green", "black", "white", "silver"]
+GOAL_ITEMS = ["kettle", "lamp", "keyboard", "watch", "backpack", "headphones", "mug", "jacket", "camera",
+              "blender", "sofa", "bicycle"]
 
 
 def goal_conversation(rng: random.Random) -> list[dict[str, Any]]:
-    act, item, color = rng.choice(GOAL_ACTS), rng.choice(GOAL_ITEMS), rng.choice(GOAL_COLORS)
-    detail = f"the {color} {item}"
+    act, item = rng.choice(GOAL_ACTS), rng.choice(GOAL_ITEMS)
+    detail = f"the {item}"
     vague = f"I want to {act} an item."
     question = rng.choice(["Which item do you mean?", "Which one do you mean?",
                            "Could you tell me which item you mean?"])

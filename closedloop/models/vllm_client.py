@@ -15,14 +15,13 @@ tokens; older vLLM reports raw logprobs and ``logprobs_mode`` in :attr:`VLLMClie
 from __future__ import annotations
 
 import asyncio
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from closedloop.messages import Turn, Usage, _Message
 from closedloop.models.base import GenerateRequest, ModelClient, ModelError, SamplingParams, ToolChoice
+from closedloop.models.batching import MicroBatcher, settle
 from closedloop.models.chat_format import parse_completion, render_messages, select_tools
 
 INSTALL_HINT = "the vllm: backend needs vLLM and a GPU: pip install closedloop[vllm]"
@@ -69,9 +68,8 @@ class VLLMClient(ModelClient):
         self.spec = f"vllm:{model}"
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.batch_sizes: list[int] = []
-        self._queue: queue.Queue[_Pending | None] = queue.Queue()
-        self._worker: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._batcher: MicroBatcher[_Pending] = MicroBatcher(self._run_batch, wait_s=self.batch_wait_s,
+                                                             name="closedloop-vllm")
         vocab = self.tokenizer.get_vocab()
         self._end_markers = tuple(t for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", self.tokenizer.eos_token)
                                   if t and t in vocab)
@@ -123,12 +121,8 @@ class VLLMClient(ModelClient):
                        params: SamplingParams | None = None, tool_choice: ToolChoice | None = None) -> Turn:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._queue.put(_Pending(self.encode_prompt(messages, tools, tool_choice), params or SamplingParams(),
-                                 loop, fut))
-        with self._lock:
-            if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(target=self._work, name="closedloop-vllm", daemon=True)
-                self._worker.start()
+        self._batcher.put(_Pending(self.encode_prompt(messages, tools, tool_choice), params or SamplingParams(),
+                                   loop, fut))
         return await fut
 
     async def batch(self, requests: list[GenerateRequest]) -> list[Turn]:
@@ -147,49 +141,21 @@ class VLLMClient(ModelClient):
                                  for i in range(n)])
 
     async def aclose(self) -> None:
-        if self._worker is not None and self._worker.is_alive():
-            self._queue.put(None)
-            await asyncio.get_running_loop().run_in_executor(None, self._worker.join, 30)
-        self._worker = None
+        await self._batcher.close()
 
     # ------------------------------------------------------------------ worker
 
-    def _work(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            batch, stop = [first], False
-            deadline = time.perf_counter() + self.batch_wait_s
-            while True:
-                remaining = deadline - time.perf_counter()
-                try:
-                    item = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                batch.append(item)
-            self.batch_sizes.append(len(batch))
-            try:
-                outputs = self.llm.generate([{"prompt_token_ids": b.prompt_ids} for b in batch],
-                                            sampling_params=[self._sampling_params(b.params) for b in batch],
-                                            use_tqdm=False)
-                results: list[Any] = [self._to_turn(b, o) for b, o in zip(batch, outputs)]
-            except Exception as e:
-                results = [ModelError(f"vLLM generation failed: {type(e).__name__}: {e}")] * len(batch)
-            for b, r in zip(batch, results):
-                def settle(b=b, r=r) -> None:
-                    if b.future.done():
-                        return
-                    if isinstance(r, BaseException):
-                        b.future.set_exception(r)
-                    else:
-                        b.future.set_result(r)
-                try:
-                    b.loop.call_soon_threadsafe(settle)
-                except RuntimeError:
-                    pass
-            if stop:
-                return
+    def _run_batch(self, batch: list[_Pending]) -> None:
+        self.batch_sizes.append(len(batch))
+        try:
+            outputs = self.llm.generate([{"prompt_token_ids": b.prompt_ids} for b in batch],
+                                        sampling_params=[self._sampling_params(b.params) for b in batch],
+                                        use_tqdm=False)
+            results: list[Any] = [self._to_turn(b, o) for b, o in zip(batch, outputs)]
+        except Exception as e:
+            results = [ModelError(f"vLLM generation failed: {type(e).__name__}: {e}")] * len(batch)
+        for b, r in zip(batch, results):
+            if isinstance(r, BaseException):
+                settle(b.loop, b.future, error=r)
+            else:
+                settle(b.loop, b.future, r)

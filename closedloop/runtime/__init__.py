@@ -8,8 +8,8 @@
 """
 
 from closedloop.runtime.checkpoint import make_checkpointer, serializer
-from closedloop.runtime.nodes import make_model_node, make_tool_node, route_after_model
+from closedloop.runtime.nodes import make_model_node, make_tool_node, route_after_model, wire_tool_loop
 from closedloop.runtime.state import AgentState, ToolRecord
 
-__all__ = ["AgentState", "ToolRecord", "make_model_node", "make_tool_node", "route_after_model",
+__all__ = ["AgentState", "ToolRecord", "make_model_node", "make_tool_node", "route_after_model", "wire_tool_loop",
            "make_checkpointer", "serializer"]

@@ -42,8 +42,6 @@ def make_checkpointer(kind: Literal["memory", "sqlite"] = "memory", path: str | 
     if kind == "sqlite":
         if path is None:
             raise ValueError("the sqlite checkpointer needs a path")
-        from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
-
         return _SqliteContext(str(path), serde)
     raise ValueError(f"unknown checkpointer {kind!r}; use 'memory' or 'sqlite'")
 

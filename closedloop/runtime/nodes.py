@@ -13,7 +13,7 @@ from langgraph.config import get_stream_writer
 from langgraph.graph import END
 from langgraph.types import interrupt
 
-from closedloop.messages import AssistantMessage, SystemMessage, ToolCall, ToolMessage, Turn
+from closedloop.messages import AssistantMessage, SystemMessage, ToolCall, Turn
 from closedloop.models.base import ModelClient, SamplingParams, TextDelta, TurnDone
 from closedloop.runtime.state import AgentState, ToolRecord
 from closedloop.tool import ToolRegistry, ToolResult
@@ -126,4 +126,19 @@ def route_after_model(max_turns: int | None = None) -> Callable[[AgentState], st
     return route
 
 
-__all__ = ["make_model_node", "make_tool_node", "route_after_model", "ToolMessage"]
+def wire_tool_loop(graph: Any, tools: ToolRegistry, *, approve: bool | Collection[str] = False,
+                   max_turns: int | None = None, execute_tools: bool = True, model: str = "model") -> None:
+    """Wire ``model ⇄ tools`` into a ``StateGraph`` that already has the ``model`` node.
+
+    With ``execute_tools=False`` the graph ends after each model turn instead (a one-step policy
+    whose tool calls an outside environment executes).
+    """
+    if execute_tools:
+        graph.add_node("tools", make_tool_node(tools, approve=approve))
+        graph.add_conditional_edges(model, route_after_model(max_turns), {"tools": "tools", END: END})
+        graph.add_edge("tools", model)
+    else:
+        graph.add_edge(model, END)
+
+
+__all__ = ["make_model_node", "make_tool_node", "route_after_model", "wire_tool_loop"]

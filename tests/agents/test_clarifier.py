@@ -16,7 +16,7 @@ from closedloop.models.scripted import ScriptedClient
 
 REQUEST = [UserMessage(content="I want to return an item.")]
 QUESTION = "Which item do you mean?"
-GOALS = ["return the blue kettle.", "return the red lamp.", "return the silver watch."]
+GOALS = ["return the kettle.", "return the lamp.", "return the watch."]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def scorer(scorer_model_path):
 def test_ig_is_clearly_positive_when_the_answer_states_the_goal(scorer):
     for goal in GOALS:
         detail = goal.removeprefix("return ").rstrip(".")
-        assert information_gain(scorer, REQUEST, QUESTION, f"It is {detail}.", goal) > 3.0
+        assert information_gain(scorer, REQUEST, QUESTION, f"It is {detail}.", goal) > 4.0
 
 
 @pytest.mark.parametrize("answer", ["", "I am not sure.", REQUEST[0].content])  # empty, unhelpful, a repeat
@@ -35,8 +35,8 @@ def test_ig_is_near_zero_for_an_uninformative_answer(scorer, answer):
     for goal in GOALS:
         informative = information_gain(scorer, REQUEST, QUESTION, f"It is {goal.removeprefix('return ').rstrip('.')}.", goal)
         uninformative = information_gain(scorer, REQUEST, QUESTION, answer, goal)
-        assert abs(uninformative) < 1.5
-        assert informative - uninformative > 3.0
+        assert abs(uninformative) < 2.0
+        assert informative - uninformative > 3.5
 
 
 def test_ig_is_unchanged_by_a_policy_update(scorer_model_path):
@@ -46,10 +46,10 @@ def test_ig_is_unchanged_by_a_policy_update(scorer_model_path):
     policy = AutoModelForCausalLM.from_pretrained(str(scorer_model_path))
     tok = AutoTokenizer.from_pretrained(str(scorer_model_path))
     frozen = GoalScorer(policy, tok)
-    args = (REQUEST, QUESTION, "It is the blue kettle.", GOALS[0])
+    args = (REQUEST, QUESTION, "It is the kettle.", GOALS[0])
     before = information_gain(frozen, *args)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-    batch = tok("The user's goal: return the red lamp.", return_tensors="pt")
+    batch = tok("The user's goal: return the lamp.", return_tensors="pt")
     for _ in range(3):
         loss = policy(**batch, labels=batch["input_ids"]).loss
         opt.zero_grad()
@@ -60,19 +60,19 @@ def test_ig_is_unchanged_by_a_policy_update(scorer_model_path):
 
 
 def test_trajectory_ig_finds_each_exchange_and_batches(scorer):
-    traj = Trajectory(messages=[*REQUEST, AssistantMessage(content=QUESTION), UserMessage(content="It is the red lamp."),
+    traj = Trajectory(messages=[*REQUEST, AssistantMessage(content=QUESTION), UserMessage(content="It is the lamp."),
                                 AssistantMessage(content="Done. Anything else?"), UserMessage(content="No.")])
     assert [e.index for e in clarification_exchanges(traj.messages)] == [1, 3]
     gains = trajectory_information_gain(scorer, traj, GOALS[1])
     assert [i for i, _ in gains] == [1, 3]
-    assert gains[0][1] == pytest.approx(information_gain(scorer, REQUEST, QUESTION, "It is the red lamp.", GOALS[1]), abs=1e-3)
+    assert gains[0][1] == pytest.approx(information_gain(scorer, REQUEST, QUESTION, "It is the lamp.", GOALS[1]), abs=1e-3)
 
 
 def test_belief_is_a_distribution_and_entropy_gates_asking(scorer):
     belief = BeliefTracker(scorer).belief(REQUEST, GOALS)
     assert math.isclose(sum(belief.probs), 1.0, rel_tol=1e-9) and 0.0 <= belief.normalized_entropy <= 1.0
     told = BeliefTracker(scorer).belief(REQUEST + [AssistantMessage(content=QUESTION),
-                                                   UserMessage(content="It is the red lamp.")], GOALS)
+                                                   UserMessage(content="It is the lamp.")], GOALS)
     assert told.map_goal == GOALS[1]
     assert told.as_dict()[GOALS[1]] > belief.as_dict()[GOALS[1]] + 0.3  # the answer moved mass onto the told goal
     assert should_ask(Belief(["a", "b"], [0.5, 0.5]), threshold=0.5)
@@ -83,13 +83,13 @@ def test_belief_is_a_distribution_and_entropy_gates_asking(scorer):
 async def test_clarifier_graph_asks_once_then_proceeds(scorer):
     policy = ScriptedClient([AssistantMessage(content="Which item would you like to return?"),
                              AssistantMessage(content="I have started the return.")])
-    graph = build_clarifier_graph(policy, scorer=scorer, candidates=lambda msgs: GOALS, threshold=0.3,
+    graph = build_clarifier_graph(policy, scorer=scorer, candidates=lambda msgs: GOALS, threshold=0.0,
                                   checkpointer=__import__("closedloop.runtime", fromlist=["x"]).make_checkpointer("memory"))
     cfg = {"configurable": {"thread_id": "c1"}}
     out = await graph.ainvoke({"messages": REQUEST}, cfg)
     assert out["messages"][-1].text.endswith("?") and out["scratch"]["decision"] == "ask"
     assert set(out["scratch"]["belief"]) == set(GOALS)
-    out = await graph.ainvoke({"messages": [UserMessage(content="It is the red lamp.")]}, cfg)
+    out = await graph.ainvoke({"messages": [UserMessage(content="It is the lamp.")]}, cfg)
     assert out["scratch"]["decision"] == "proceed"  # budget of one question spent
     assert out["messages"][-1].text == "I have started the return."
 
