@@ -18,7 +18,7 @@ import time
 import traceback
 import warnings
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
@@ -306,11 +306,14 @@ class RunStore:
 
     def record_trajectory(self, trajectory: Trajectory, *, kind: str = "train", status: str = "completed",
                           graph: str | None = None, model_spec: str | None = None, config: Any = None,
-                          tags: Sequence[str] | None = None, outcome: Mapping[str, Any] | None = None) -> str:
+                          tags: Sequence[str] | None = None, outcome: Mapping[str, Any] | None = None,
+                          parent_id: str | None = None, started_at: datetime | None = None,
+                          error: str | None = None) -> str:
         """Store a finished trajectory as one run (id = trajectory id) in a single transaction.
 
         One connection for the whole episode instead of one per turn: the cheap path for trainers
-        that log hundreds of rollouts.
+        that log hundreds of rollouts, and for evaluations that must never leave half an episode.
+        ``started_at`` (naive UTC) records when the episode really began, so durations are real.
         """
         if status not in TERMINAL_STATUSES:
             raise ValueError(f"status must be one of {TERMINAL_STATUSES}, got {status!r}")
@@ -324,15 +327,45 @@ class RunStore:
                       **({"step_rewards": trajectory.step_rewards} if trajectory.step_rewards else {}),
                       **(_jsonable(outcome) or {})}, keys=False, key_values=False, env_secrets=secrets)
 
+        err = _format_error(error)
+
         def write(con: duckdb.DuckDBPyConnection) -> str:
-            self._insert_run(con, trajectory.id, kind, graph, model_spec, cfg, tags, meta, None)
+            self._insert_run(con, trajectory.id, kind, graph, model_spec, cfg, tags, meta, parent_id)
             self._write_messages(con, trajectory.id, rows, False)
             for turn, prepared in turns:
                 self._write_turn(con, trajectory.id, turn, prepared)
-            self._write_finish(con, trajectory.id, status, out, None)
+            self._write_finish(con, trajectory.id, status, out, err)
+            if started_at is not None:
+                con.execute("UPDATE runs SET started_at = ? WHERE id = ?", [started_at, trajectory.id])
             return trajectory.id
 
         return self._tx(write)
+
+    def reopen_run(self, run_id: str, config: Any = None) -> None:
+        """Make a finished run ``running`` again, owned by this process (resuming a long job such as an
+        evaluation under the same id). Refuses a run that is still running: two writers would
+        duplicate work. Its metadata counts the attempts and keeps the earlier statuses."""
+        pid = os.getpid()
+        cfg = redact(_jsonable(config), env_secrets=_env_secrets()) if config is not None else None
+
+        def write(con: duckdb.DuckDBPyConnection) -> None:
+            self._reap(con)
+            row = con.execute("SELECT status, pid, hostname, metadata, config FROM runs WHERE id = ?",
+                              [run_id]).fetchone()
+            if row is None:
+                raise RunStateError(f"no run {run_id}")
+            status, old_pid, host, meta, old_cfg = row
+            if status == "running":
+                raise RunStateError(f"run {run_id} is still running (pid {old_pid} on {host}); stop it first")
+            meta = json.loads(meta) if isinstance(meta, str) else (meta or {})
+            meta["attempts"] = int(meta.get("attempts", 1)) + 1
+            meta.setdefault("previous_status", []).append(status)
+            new_cfg = json.dumps(cfg) if cfg is not None else old_cfg
+            con.execute("UPDATE runs SET status = 'running', pid = ?, hostname = ?, proc_start = ?, ended_at = NULL, "
+                        "error = NULL, outcome = NULL, config = ?, metadata = ?, updated_at = ? WHERE id = ?",
+                        [pid, hostname(), process_start(pid), new_cfg, json.dumps(meta), utcnow(), run_id])
+
+        self._tx(write)
 
     # ------------------------------------------------------------------ reading
 

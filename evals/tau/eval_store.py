@@ -12,27 +12,19 @@ Children whose episode must be run again (infrastructure error, grading failure)
 status ``failed``: they stay in the store as a record of what went wrong, and :func:`latest_episodes`
 prefers a later good attempt of the same (task, trial) over them.
 
-The store has no public call yet for "record a finished child run in one transaction" or "reopen
-a run", so this module composes the store's own transaction helpers (``RunStore._tx`` and the
-row writers it uses for ``record_trajectory``); see the report for the public API this asks for.
+Both go through the store's public API: ``RunStore.record_trajectory`` (one transaction, with a
+parent) and ``RunStore.reopen_run``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-import duckdb
-
 from closedloop.evals.tau.simulation import SimulationRun, TerminationReason
+from closedloop.messages import Trajectory
 from closedloop.store import RunStore, RunSummary
-from closedloop.store.process import hostname, process_start
-from closedloop.store.records import utcnow
-from closedloop.store.redact import _env_secrets, redact, redact_message
-from closedloop.store.store import RunStateError, _prepare_turn
 
 __all__ = ["EVAL_KIND", "EPISODE_KIND", "EpisodeRecord", "name_tag", "find_eval", "open_eval", "reopen_eval",
            "record_episode", "episode_outcome", "load_episodes", "latest_episodes", "needs_rerun"]
@@ -82,27 +74,7 @@ def reopen_eval(store: RunStore, run_id: str, config: dict[str, Any]) -> None:
     Refuses a parent that is still running: its process is alive (the store marks runs of dead
     processes ``killed`` whenever it is read), and two writers would run the same episodes.
     """
-    pid = os.getpid()
-    cfg = redact(json.loads(json.dumps(config, default=str)), env_secrets=_env_secrets())
-
-    def write(con: duckdb.DuckDBPyConnection) -> None:
-        store._reap(con)
-        row = con.execute("SELECT status, pid, hostname, metadata FROM runs WHERE id = ?", [run_id]).fetchone()
-        if row is None:
-            raise RunStateError(f"no eval run {run_id}")
-        status, old_pid, host, meta = row
-        if status == "running":
-            raise RunStateError(f"eval run {run_id} is still running (pid {old_pid} on {host}); "
-                                f"stop it before resuming")
-        meta = json.loads(meta) if isinstance(meta, str) else (meta or {})
-        meta["attempts"] = int(meta.get("attempts", 1)) + 1
-        meta.setdefault("previous_status", []).append(status)
-        now = utcnow()
-        con.execute("UPDATE runs SET status = 'running', pid = ?, hostname = ?, proc_start = ?, ended_at = NULL, "
-                    "error = NULL, outcome = NULL, config = ?, metadata = ?, updated_at = ? WHERE id = ?",
-                    [pid, hostname(), process_start(pid), json.dumps(cfg), json.dumps(meta), now, run_id])
-
-    store._tx(write)
+    store.reopen_run(run_id, config)
 
 
 def episode_outcome(sim: SimulationRun) -> dict[str, Any]:
@@ -121,29 +93,14 @@ def record_episode(store: RunStore, parent_id: str, sim: SimulationRun, *, eval_
     """Write a finished episode as one child run, all in one transaction; returns its run id (the
     simulation id). Blocking (20-130 ms): call it from a thread."""
     failed = needs_rerun(sim)
-    status = "failed" if failed else "completed"
-    secrets = _env_secrets()
     config = {"eval": eval_name, "domain": sim.domain, "task_id": sim.task_id, "trial": sim.trial, "seed": sim.seed}
-    meta = {"eval": eval_name, "termination_reason": sim.termination_reason.value}
-    rows = [(m.role, json.dumps(redact_message(m.model_dump(mode="json", exclude_none=True), secrets)))
-            for m in sim.messages]
-    turns = [(t, _prepare_turn(t, secrets)) for t in sim.agent_turns]
-    outcome = redact(episode_outcome(sim), keys=False, key_values=False, env_secrets=secrets)
-    error = sim.error if (failed or sim.error) else None
-    tags = [f"task:{sim.task_id}", f"trial:{sim.trial}"]
-    started = _naive_utc(sim.start_time)
-
-    def write(con: duckdb.DuckDBPyConnection) -> str:
-        store._insert_run(con, sim.id, EPISODE_KIND, graph, model_spec, config, tags, meta, parent_id)
-        store._write_messages(con, sim.id, rows, False)
-        for turn, prepared in turns:
-            store._write_turn(con, sim.id, turn, prepared)
-        store._write_finish(con, sim.id, status, outcome, error)
-        if started is not None:  # the episode's own start, so durations and overlaps are real
-            con.execute("UPDATE runs SET started_at = ? WHERE id = ?", [started, sim.id])
-        return sim.id
-
-    return store._tx(write)
+    trajectory = Trajectory(id=sim.id, messages=list(sim.messages), turns=list(sim.agent_turns),
+                            metadata={"eval": eval_name, "termination_reason": sim.termination_reason.value})
+    return store.record_trajectory(trajectory, kind=EPISODE_KIND, status="failed" if failed else "completed",
+                                   graph=graph, model_spec=model_spec, config=config,
+                                   tags=[f"task:{sim.task_id}", f"trial:{sim.trial}"], outcome=episode_outcome(sim),
+                                   parent_id=parent_id, started_at=_naive_utc(sim.start_time),
+                                   error=sim.error if (failed or sim.error) else None)
 
 
 def _naive_utc(iso: str) -> datetime | None:

@@ -207,6 +207,33 @@ def test_record_trajectory_in_one_call(store: RunStore):
     assert store.load_trajectory(rid).rewards == {"pass": 1.0}
 
 
+def test_record_trajectory_as_a_child_with_its_own_start_and_error(store: RunStore):
+    from datetime import datetime
+
+    parent = store.start_run(kind="eval", graph="react")
+    start = datetime(2026, 1, 2, 3, 4, 5)
+    rid = store.record_trajectory(Trajectory(turns=[make_turn("a")]), kind="episode", status="failed",
+                                  parent_id=parent, started_at=start, error="user simulator: boom sk-abcdefghijklmnopqrstuv")
+    rec = store.get_run(rid)
+    assert rec.parent_id == parent and rec.started_at == start and rec.status == "failed"
+    assert "boom" in rec.error and "sk-abcdefghijklmnopqrstuv" not in rec.error
+    assert [r.id for r in store.list_runs(parent_id=parent)] == [rid]
+
+
+def test_reopen_run_refuses_a_running_run_and_counts_attempts(store: RunStore):
+    rid = store.start_run(kind="eval", config={"trials": 1})
+    with pytest.raises(RunStateError):
+        store.reopen_run(rid)
+    store.finish_run(rid, "interrupted")
+    store.reopen_run(rid, {"trials": 2})
+    rec = store.get_run(rid)
+    assert rec.status == "running" and rec.config == {"trials": 2} and rec.ended_at is None
+    assert rec.metadata["attempts"] == 2 and rec.metadata["previous_status"] == ["interrupted"]
+    store.finish_run(rid)
+    store.reopen_run(rid)
+    assert store.get_run(rid).config == {"trials": 2}  # kept when no new config is given
+
+
 def test_export_parquet_reads_back(store: RunStore, tmp_path):
     with store.run(graph="react") as run:
         run.log_messages([UserMessage(content="hi")])
