@@ -26,6 +26,8 @@ Shapes: X (n, d), y (n,) or (n, t); alpha like y; beta (k,) or (k, t). Cost O(n^
 
 from __future__ import annotations
 
+import abc
+
 from dataclasses import dataclass
 from itertools import combinations_with_replacement
 from typing import Any, Callable, Literal
@@ -67,14 +69,15 @@ def kernel_matrix(a: np.ndarray, b: np.ndarray, kernel: str = "rbf", gamma: floa
 # ---------------------------------------------------------------------------------- features
 
 
-class Features:
+class Features(abc.ABC):
     """The unpenalised class F as a feature map; ``fit`` sees the training inputs and kernel."""
 
     def fit(self, x: np.ndarray, model: "ConditionalKernelRidge") -> "Features":
         return self
 
+    @abc.abstractmethod
     def transform(self, x: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """Φ(x): one row of feature values per input."""
 
     def residual_kernel(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         raise ValueError(f"{type(self).__name__} defines no population residual kernel; use residual_gram")
