@@ -147,3 +147,18 @@ def parse_completion(text: str, end_markers: tuple[str, ...] = ("<|im_end|>", "<
     kept.append(rest[pos:])
     content = "".join(kept).strip()
     return AssistantMessage(content=content or None, tool_calls=calls or None, reasoning=reasoning)
+
+
+def encode_prompt(tokenizer: Any, messages: list, tools: list[dict[str, Any]] | None = None,
+                  tool_choice: Any = None) -> list[int]:
+    """The exact prompt token ids a local model sees (chat template, shown tools, generation prompt)."""
+    ids = tokenizer.apply_chat_template(render_messages(messages), tools=select_tools(tools, tool_choice),
+                                        add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def decode_ids(tokenizer: Any, ids: list[int]) -> str:
+    """Token ids to text with special tokens kept: the inverse the token-exact turn record relies on."""
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

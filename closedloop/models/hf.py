@@ -29,7 +29,7 @@ from closedloop.messages import Turn, Usage, _Message
 from closedloop.models.base import (GenerateRequest, ModelClient, ModelError, SamplingParams, StreamEvent,
                                     TextDelta, ToolChoice, TurnDone)
 from closedloop.models.batching import MicroBatcher, settle
-from closedloop.models.chat_format import parse_completion, render_messages, select_tools
+from closedloop.models.chat_format import decode_ids, encode_prompt, parse_completion
 
 
 @dataclass
@@ -132,16 +132,11 @@ class HFClient(ModelClient):
     def encode_prompt(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
                       tool_choice: ToolChoice | None = None) -> list[int]:
         """The exact prompt token ids the model will see (chat template, tools, generation prompt)."""
-        shown = select_tools(tools, tool_choice)
-        ids = self.tokenizer.apply_chat_template(render_messages(messages), tools=shown, add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        return encode_prompt(self.tokenizer, messages, tools, tool_choice)
 
     def decode(self, ids: list[int]) -> str:
         """Token ids to text with special tokens kept, the inverse the turn record relies on."""
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return decode_ids(self.tokenizer, ids)
 
     # ------------------------------------------------------------------ public API
 

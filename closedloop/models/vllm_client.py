@@ -22,7 +22,7 @@ from typing import Any
 from closedloop.messages import Turn, Usage, _Message
 from closedloop.models.base import GenerateRequest, ModelClient, ModelError, SamplingParams, ToolChoice
 from closedloop.models.batching import MicroBatcher, settle
-from closedloop.models.chat_format import parse_completion, render_messages, select_tools
+from closedloop.models.chat_format import decode_ids, encode_prompt, parse_completion
 
 INSTALL_HINT = "the vllm: backend needs vLLM and a GPU: pip install closedloop[vllm]"
 
@@ -78,14 +78,12 @@ class VLLMClient(ModelClient):
 
     def encode_prompt(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
                       tool_choice: ToolChoice | None = None) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(render_messages(messages), tools=select_tools(tools, tool_choice),
-                                                 add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        """The exact prompt token ids the model will see (chat template, tools, generation prompt)."""
+        return encode_prompt(self.tokenizer, messages, tools, tool_choice)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        """Token ids to text with special tokens kept, the inverse the turn record relies on."""
+        return decode_ids(self.tokenizer, ids)
 
     def _sampling_params(self, p: SamplingParams):
         return self._vllm.SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens,

@@ -67,6 +67,22 @@ class RetailTools(Toolkit):
             if item_ids.count(item_id) > present.count(item_id):
                 raise ValueError(message if message is not None else f"{item_id} not found")
 
+    def _price_difference(self, order: Order, item_ids: list[str], new_item_ids: list[str], *,
+                          distinct: bool) -> float:
+        """Σ (new variant price − old item price), checking each swap as tau2 does (in its order)."""
+        diff = 0.0
+        for item_id, new_item_id in zip(item_ids, new_item_ids):
+            if distinct and item_id == new_item_id:
+                raise ValueError("The new item id should be different from the old item id")
+            item = next((i for i in order.items if i.item_id == item_id), None)
+            if item is None:
+                raise ValueError(f"Item {item_id} not found")
+            variant = self._get_variant(item.product_id, new_item_id)
+            if not variant.available:
+                raise ValueError(f"New item {new_item_id} not found or available")
+            diff += variant.price - item.price
+        return diff
+
     # ------------------------------------------------------------------ generic
 
     @is_tool(kind="generic")
@@ -206,22 +222,11 @@ class RetailTools(Toolkit):
         order = self._get_order(order_id)
         if order.status != "delivered":
             raise ValueError("Non-delivered order cannot be exchanged")
-        present = [item.item_id for item in order.items]
         for item_id in item_ids:
-            if item_ids.count(item_id) > present.count(item_id):
-                raise ValueError(f"Number of {item_id} not found.")
+            self._check_items_present(order, [item_id] * item_ids.count(item_id), f"Number of {item_id} not found.")
         if len(item_ids) != len(new_item_ids):
             raise ValueError("The number of items to be exchanged should match.")
-        diff = 0.0
-        for item_id, new_item_id in zip(item_ids, new_item_ids):
-            item = next((i for i in order.items if i.item_id == item_id), None)
-            if item is None:
-                raise ValueError(f"Item {item_id} not found")
-            variant = self._get_variant(item.product_id, new_item_id)
-            if not variant.available:
-                raise ValueError(f"New item {new_item_id} not found or available")
-            diff += variant.price - item.price
-        diff = round(diff, 2)
+        diff = round(self._price_difference(order, item_ids, new_item_ids, distinct=False), 2)
         method = self._get_payment_method(order.user_id, payment_method_id)
         if isinstance(method, GiftCard) and method.balance < diff:
             raise ValueError("Insufficient gift card balance to pay for the price difference")
@@ -270,17 +275,7 @@ class RetailTools(Toolkit):
         self._check_items_present(order, item_ids, None)
         if len(item_ids) != len(new_item_ids):
             raise ValueError("The number of items to be exchanged should match")
-        diff = 0.0
-        for item_id, new_item_id in zip(item_ids, new_item_ids):
-            if item_id == new_item_id:
-                raise ValueError("The new item id should be different from the old item id")
-            item = next((i for i in order.items if i.item_id == item_id), None)
-            if item is None:
-                raise ValueError(f"Item {item_id} not found")
-            variant = self._get_variant(item.product_id, new_item_id)
-            if not variant.available:
-                raise ValueError(f"New item {new_item_id} not found or available")
-            diff += variant.price - item.price
+        diff = self._price_difference(order, item_ids, new_item_ids, distinct=True)
         method = self._get_payment_method(order.user_id, payment_method_id)
         if isinstance(method, GiftCard) and method.balance < diff:
             raise ValueError("Insufficient gift card balance to pay for the new item")
