@@ -5,7 +5,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from closedloop.messages import (AssistantMessage, AudioPart, ImagePart, SystemMessage, TextPart, ToolCall,
+from closedloop.messages import (AssistantMessage, MissingTokensError, AudioPart, ImagePart, SystemMessage, TextPart, ToolCall,
                                  ToolMessage, Trajectory, Turn, Usage, UserMessage, parse_messages)
 
 
@@ -79,3 +79,41 @@ def test_token_view_merges_continuing_turns_and_splits_rewritten_context():
     assert views[1].input_ids == [7, 8, 6] and views[1].loss_mask == [0, 0, 1]
     with pytest.raises(ValueError):
         Trajectory(turns=[Turn(message=AssistantMessage(content="x"))]).token_view()
+
+
+def test_token_view_honours_recorded_masks_and_turn_indices():
+    # Turn a's last completion token was marked untrainable (e.g. a truncated stop marker).
+    a = Turn(message=AssistantMessage(content="a"), prompt_ids=[1, 2], completion_ids=[3, 4], logprobs=[-0.1, -0.2],
+             loss_mask=[0, 0, 1, 0])
+    b = Turn(message=AssistantMessage(content="b"), prompt_ids=[1, 2, 3, 4, 9], completion_ids=[5], logprobs=[-0.3])
+    (view,) = Trajectory(turns=[a, b]).token_view()
+    assert view.input_ids == [1, 2, 3, 4, 9, 5]
+    assert view.loss_mask == [0, 0, 1, 0, 0, 1]
+    assert view.logprob_mask == [0, 0, 1, 0, 0, 1]
+    assert view.turn_index == [-1, -1, 0, -1, -1, 1]
+
+
+def test_token_view_never_invents_logprobs():
+    a = Turn(message=AssistantMessage(content="a"), prompt_ids=[1], completion_ids=[2, 3], logprobs=None,
+             unavailable={"logprobs": "the server does not return them"})
+    b = Turn(message=AssistantMessage(content="b"), prompt_ids=[1, 2, 3, 7], completion_ids=[4], logprobs=[-0.5])
+    (view,) = Trajectory(turns=[a, b]).token_view()  # default: mask missing logprobs out
+    assert view.loss_mask == [0, 1, 1, 0, 1]
+    assert view.logprob_mask == [0, 0, 0, 0, 1]
+    assert view.logprobs[-1] == -0.5
+    with pytest.raises(MissingTokensError, match="server does not return them"):
+        Trajectory(turns=[a, b]).token_view(missing_logprobs="refuse")
+
+
+def test_token_view_skips_untrainable_helper_calls():
+    helper = Turn(message=AssistantMessage(content="goals"), prompt_ids=[5, 5], completion_ids=[6], logprobs=[-1.0],
+                  trainable=False, purpose="propose_goals")
+    a = Turn(message=AssistantMessage(content="a"), prompt_ids=[1, 2], completion_ids=[3], logprobs=[-0.1])
+    b = Turn(message=AssistantMessage(content="b"), prompt_ids=[1, 2, 3, 4], completion_ids=[8], logprobs=[-0.2])
+    views = Trajectory(turns=[a, helper, b]).token_view()
+    assert [v.input_ids for v in views] == [[1, 2, 3, 4, 8]]
+    assert views[0].turn_index == [-1, -1, 0, -1, 2]
+    assert len(Trajectory(turns=[a, helper, b]).token_view(include_untrainable=True)) == 3
+    no_ids = Turn(message=AssistantMessage(content="x"), unavailable={"token_ids": "no token ids from this server"})
+    with pytest.raises(MissingTokensError, match="no token ids from this server"):
+        Trajectory(turns=[no_ids]).token_view()
