@@ -76,7 +76,8 @@ def _normalise(x: torch.Tensor, index: torch.Tensor, scale: Scale) -> torch.Tens
     return torch.nan_to_num(centred, nan=0.0).to(torch.float32)
 
 
-def group_advantages(rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Hashable] | torch.Tensor | None = None,
+def group_advantages(rewards: torch.Tensor | Sequence[float],
+                     group_ids: Sequence[Hashable] | torch.Tensor | None = None,
                      *, group_size: int | None = None, scale: Scale = "group") -> torch.Tensor:
     """GRPO's sequence advantages ``A_i = (R_i − mean_group(R)) / (σ + 1e-4)`` (see the module docstring).
 
