@@ -157,6 +157,8 @@ class StoreSelection(_Strict):
     tag: str | None = Field(None, description="Only runs carrying this tag.")
     kind: str | None = Field(None, description="Only runs of this kind (run, eval, train, ...).")
     min_reward: float | None = Field(None, description="Only trajectories whose total reward is at least this.")
+    status: str | None = Field("completed", description="Only runs with this status (null: any; failed or killed "
+                                                        "episodes are rarely what one imitates).")
     limit: int | None = Field(None, ge=1, description="At most this many trajectories.")
     path: str | None = Field(None, description="The store file; null uses the config's `store`.")
 

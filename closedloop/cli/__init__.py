@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["run", "graphs", "serve", "model", "runs", "eval"]
+COMMANDS = ["run", "graphs", "serve", "model", "runs", "eval", "train"]
 
 
 def build_parser() -> argparse.ArgumentParser:

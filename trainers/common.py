@@ -1,0 +1,134 @@
+"""What every closedloop trainer sets up the same way: accelerator, model (+LoRA), optimizer,
+schedule, and its run in the store. Kept apart from the loops so SFT and GRPO cannot drift.
+
+Deliberate choices: the LR scheduler is *not* passed through ``accelerator.prepare`` (accelerate
+would step it once per process under DDP, so a schedule would run N times too fast unless
+``split_batches``); the loops step it once per optimizer step. Gradient accumulation and loss
+normalisation are done by the loops, not by ``Accelerator(gradient_accumulation_steps=...)``,
+because the loss is divided by the token count of the whole global batch (as transformers'
+Trainer does with ``num_items_in_batch``), which makes one step independent of how the batch is
+split across micro-batches and processes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from closedloop.trainers.config import TrainConfig
+
+__all__ = ["make_accelerator", "load_model_and_tokenizer", "apply_lora", "build_optimizer", "build_scheduler",
+           "open_run", "pad_token_id"]
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def make_accelerator(config: TrainConfig) -> Any:
+    """An ``accelerate.Accelerator`` with the config's mixed precision (DDP/FSDP/DeepSpeed come from
+    ``accelerate launch``/``torchrun`` and the accelerate config, not from here)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    if config.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
+    # The accelerator state is a process-wide singleton; a second single-process training in the
+    # same Python process (tests, notebooks) with another precision must be allowed to reset it.
+    if AcceleratorState._shared_state and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        if str(AcceleratorState().mixed_precision) != config.mixed_precision:
+            AcceleratorState._reset_state(reset_partial_state=True)
+    return Accelerator(mixed_precision=config.mixed_precision)
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    for cand in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if isinstance(cand, int):
+            return cand
+    raise ValueError("the tokenizer has neither a pad nor an eos token")
+
+
+def load_model_and_tokenizer(config: TrainConfig, model: Any = None, tokenizer: Any = None) -> tuple[Any, Any]:
+    """The model (in ``config.dtype``, training mode, gradient checkpointing, LoRA if configured)
+    and its tokenizer; a given ``model``/``tokenizer`` is used as is (LoRA still applied)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = config.model_path
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    if model is None:
+        dtype: Any = "auto" if config.dtype == "auto" else getattr(torch, _DTYPES[config.dtype])
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except OSError as e:
+            raise ValueError(f"cannot load model {config.model!r}: {e}") from e
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"the tokenizer of {config.model!r} has no chat template; SFT on conversations needs one")
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if config.lora is not None:
+        model = apply_lora(model, config)
+    model.train()
+    return model, tokenizer
+
+
+def apply_lora(model: Any, config: TrainConfig) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    lora = config.lora
+    assert lora is not None
+    peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                             target_modules=lora.target_modules, bias=lora.bias, task_type="CAUSAL_LM")
+    if config.gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    return get_peft_model(model, peft_config)
+
+
+def build_optimizer(model: Any, config: TrainConfig) -> Any:
+    """AdamW over trainable parameters; weight decay on matrices only (not on biases or norm
+    weights, i.e. 1-D parameters, as transformers' Trainer)."""
+    import torch
+
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    if not decay and not no_decay:
+        raise ValueError("the model has no trainable parameters")
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.learning_rate,
+                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
+
+
+def build_scheduler(optimizer: Any, config: TrainConfig, total_steps: int) -> Any:
+    """transformers' warm-up + constant / linear / cosine schedule over ``total_steps`` optimizer steps."""
+    from transformers import get_scheduler
+
+    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[config.lr_scheduler]
+    return get_scheduler(name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=max(1, total_steps))
+
+
+def open_run(config: TrainConfig, trainer: str, accelerator: Any, run_id: str | None = None,
+             metadata: dict[str, Any] | None = None) -> tuple[Any, str | None]:
+    """On the main process with ``"store"`` in ``report_to``: the store and a ``kind="train"`` run
+    (``run_id`` given: that run reopened, as on resume). Else ``(None, None)``."""
+    if "store" not in config.report_to or not accelerator.is_main_process:
+        return None, None
+    from closedloop.store import RunStore
+
+    store = RunStore(config.store) if config.store else RunStore()
+    if run_id is not None:
+        try:
+            store.reopen_run(run_id, config=config)
+            return store, run_id
+        except Exception as e:  # the run was deleted, or is still marked running by a live process
+            import warnings
+
+            warnings.warn(f"cannot reopen run {run_id} ({e}); recording the resumed training as a new run",
+                          RuntimeWarning, stacklevel=2)
+    run_id = store.start_run(kind="train", model_spec=config.model, config=config.model_dump(mode="json"),
+                             tags=list(config.tags), metadata={"trainer": trainer, "run_name": config.run_name,
+                                                                "output_dir": config.output_dir, **(metadata or {})})
+    return store, run_id
