@@ -1,0 +1,309 @@
+"""Multi-turn GRPO on agent graphs: rollouts run the graph, the loss is on the sampled tokens.
+
+One step:
+
+1. ``prompts_per_step`` environment seeds, ``num_generations`` episodes each from the identical
+   initial state, run by the registered graph on the live policy (:mod:`.rollout`);
+2. rewards: the environment's named components (weighted) and named reward functions, per
+   episode and, for ``turn_reward_components``, per turn; advantages by the documented turn-level
+   rule of :mod:`.advantages` (plain GRPO when there are no per-turn rewards);
+3. ``num_iterations`` optimisation passes over the batch with the sampling logprobs as old
+   logprobs (tempered, as ``hf:`` records them and as :func:`.losses.token_logprobs` recomputes);
+   when rollouts come from another engine (``rollout_model``: ``vllm:`` or an OpenAI-compatible
+   server returning token ids) the old logprobs are the trainer's own and a truncated
+   importance weight ``π_trainer/π_sampler`` corrects for the engine mismatch (TRL's
+   ``vllm_importance_sampling_correction``);
+4. the loss of :func:`.losses.grpo_loss` (grpo, dr_grpo, dapo, bnpo; ε_low/ε_high; k3 KL to a
+   reference with β, none loaded when β = 0).
+
+Our loop, not TRL's ``GRPOTrainer``: TRL's rollout is a single completion (or a user
+``rollout_func`` that re-implements the agent), its advantages are per sequence, and it
+re-tokenises; here the graph that is served and evaluated is the graph that is trained, and
+credit can land on turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import torch
+from pydantic import Field
+
+from closedloop.messages import Trajectory
+from closedloop.models.base import SamplingParams
+from closedloop.trainers.config import TrainConfig
+from closedloop.trainers.grpo_batch import RewardSpec, RolloutBatch, build_batch, load_reward_fn
+from closedloop.trainers.losses import LOSS_TYPES, entropy_from_logits, grpo_loss, importance_sampling_weights, \
+    token_logprobs
+from closedloop.trainers.rollout import EnvFactory, GraphPolicy, Group, collect_groups
+
+
+class GRPOConfig(TrainConfig):
+    """Multi-turn GRPO on a built-in or plugin environment, with a registered graph as the policy."""
+
+    env: str = Field("calc", description="Environment name (entry point group closedloop.environments: calc, "
+                                         "clarify, tau-retail, ...).")
+    env_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the environment "
+                                                                          "(e.g. level, weights).")
+    graph: str = Field("react", description="The agent graph that acts (closedloop.graphs entry point).")
+    graph_options: dict[str, Any] = Field(default_factory=dict, description="Extra keyword options of the graph.")
+    prompts_per_step: int = Field(8, ge=1, description="Environment seeds (initial states) per step, per process.")
+    num_generations: int = Field(8, ge=2, description="Episodes per initial state: the GRPO group size G "
+                                                      "(TRL default 8).")
+    train_seed_start: int = Field(0, description="Training seeds are drawn from [train_seed_start, "
+                                                 "train_seed_start + train_seed_count); keep evaluation seeds outside.")
+    train_seed_count: int = Field(1_000_000, ge=1, description="Size of the training seed range.")
+    max_env_steps: int = Field(8, ge=1, description="Agent turns per episode before it is truncated.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts; the loss recomputes "
+                                                      "logprobs at the same temperature (TRL default 1.0).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of rollouts (does not change recorded "
+                                                      "logprobs, see LogprobSpec).")
+    max_new_tokens: int = Field(64, ge=1, description="Tokens per agent turn.")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field(
+        "dapo", description="Aggregation of the per-token loss (TRL's loss_type; TRL's default is dapo).")
+    epsilon_low: float = Field(0.2, ge=0, description="Lower clip: ratio >= 1 - epsilon_low (TRL epsilon).")
+    epsilon_high: float = Field(0.2, ge=0, description="Upper clip: ratio <= 1 + epsilon_high (DAPO clip-higher "
+                                                       "uses 0.28).")
+    delta: float | None = Field(None, description="Two-sided clipping upper bound of the unclipped ratio "
+                                                  "(TRL's delta); null disables.")
+    beta: float = Field(0.0, ge=0, description="k3 KL coefficient; 0 loads no reference model (TRL default 0).")
+    num_iterations: int = Field(1, ge=1, description="Optimisation passes (optimizer steps) per rollout batch: "
+                                                     "TRL's num_iterations (mu).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantage std scaling (TRL's scale_rewards; 'none' is Dr. GRPO's choice).")
+    reward_weights: dict[str, float] = Field(default_factory=dict, description="Weight per reward component or "
+                                                                               "function name; unnamed weigh 1.0.")
+    reward_funcs: list[str] = Field(default_factory=list, description="Extra rewards: 'package.module:function' "
+                                                                      "callables of a finished Trajectory, each "
+                                                                      "logged apart under its function name.")
+    turn_reward_components: list[str] = Field(default_factory=list, description="Components credited per turn "
+                                                                                "(e.g. [info_gain]); others form "
+                                                                                "the final reward.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount of per-turn rewards in the return-to-go.")
+    turn_weight: float = Field(1.0, ge=0, description="Weight of the turn-level advantage added to the final one.")
+    rollout_model: str | None = Field(None, description="Rollouts from another engine (vllm:PATH or "
+                                                        "openai:NAME@URL with token ids) instead of the live policy; "
+                                                        "weights are pushed to it after each update where it supports "
+                                                        "it (see docs), and importance sampling corrects the mismatch.")
+    importance_sampling: Literal["auto", "on", "off"] = Field(
+        "auto", description="Truncated IS correction pi_trainer/pi_sampler: auto = on with rollout_model.")
+    importance_sampling_cap: float = Field(3.0, gt=0, description="Truncation of the IS weight (TRL default 3.0).")
+    rollout_concurrency: int | None = Field(None, ge=1, description="Episodes run at once (null: all).")
+    max_batch_size: int = Field(64, ge=1, description="Largest decode batch of the live policy's client.")
+    learning_rate: float = Field(1e-6, gt=0, description="Peak AdamW learning rate (TRL GRPOConfig default 1e-6).")
+    max_steps: int | None = Field(100, ge=1, description="GRPO steps (rollout batches).")
+    save_steps: int | None = Field(None, ge=1, description="Checkpoint every this many steps (null: at the end).")
+    logging_steps: int = Field(1, ge=1, description="Report metrics every this many steps.")
+    max_length: int | None = Field(None, ge=2, description="Truncate each training sequence (null: keep all).")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_new_tokens)
+
+
+@dataclass
+class GRPOResult:
+    output_dir: Path
+    run_id: str | None
+    steps: int
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def reward_spec(config: GRPOConfig) -> RewardSpec:
+    return RewardSpec(weights=dict(config.reward_weights), turn_components=list(config.turn_reward_components),
+                      functions=dict(load_reward_fn(p) for p in config.reward_funcs))
+
+
+def sequence_logprobs(model: Any, batch: RolloutBatch, temperature: float, micro: int) -> torch.Tensor:
+    """Token logprobs of a whole batch without gradient (old or reference logprobs)."""
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(batch), micro):
+            ids, attn = batch.input_ids[i:i + micro], batch.attention_mask[i:i + micro]
+            out.append(token_logprobs(model(input_ids=ids, attention_mask=attn).logits.float(), ids, temperature))
+    return torch.cat(out)
+
+
+def grpo_update(model: Any, optimizer: Any, scheduler: Any, batch: RolloutBatch, config: GRPOConfig, *,
+                old_logps: torch.Tensor, ref_logps: torch.Tensor | None, is_weights: torch.Tensor | None,
+                backward: Callable[[torch.Tensor], None], clip: Callable[[], float]) -> dict[str, float]:
+    """One optimisation pass over the rollout batch (one optimizer step), micro-batched.
+
+    Micro-batch losses are weighted by their row fraction for grpo/bnpo/dr_grpo (TRL's
+    gradient-accumulation semantics: for grpo and dr_grpo this is exactly the whole-batch loss; bnpo
+    normalises per micro-batch, as TRL's does), and dapo gets the whole batch's token count as
+    ``num_items_in_batch`` (exactly the whole-batch loss). Dr. GRPO's constant normaliser ("max completion
+    length") is, for multi-turn episodes, the most tokens an episode can generate:
+    ``max_env_steps * max_new_tokens``.
+    """
+    micro = config.per_device_batch_size
+    total_tokens = float(batch.loss_mask.sum())
+    sums: dict[str, float] = {}
+    optimizer.zero_grad(set_to_none=True)
+    for i in range(0, len(batch), micro):
+        sl = slice(i, i + micro)
+        ids, attn, mask = batch.input_ids[sl], batch.attention_mask[sl], batch.loss_mask[sl]
+        logits = model(input_ids=ids, attention_mask=attn).logits.float()
+        logps = token_logprobs(logits, ids, config.temperature)
+        loss, m = grpo_loss(logps, old_logps[sl], batch.advantages[sl], mask,
+                            ref_logps=None if ref_logps is None else ref_logps[sl], beta=config.beta,
+                            epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
+                            loss_type=config.loss_type, is_weights=None if is_weights is None else is_weights[sl],
+                            num_items_in_batch=total_tokens if config.loss_type == "dapo" else None,
+                            max_completion_length=config.max_env_steps * config.max_new_tokens, delta=config.delta)
+        scale = 1.0 if config.loss_type == "dapo" else ids.shape[0] / len(batch)
+        backward(loss * scale)
+        with torch.no_grad():
+            sel = mask[:, 1:].bool()
+            ent = entropy_from_logits(logits[:, :-1][sel] / config.temperature).sum() if sel.any() else 0.0
+        w = float(mask.sum()) / max(total_tokens, 1.0)
+        sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * scale
+        sums["entropy"] = sums.get("entropy", 0.0) + float(ent) / max(total_tokens, 1.0)
+        for k, v in m.items():
+            if k != "num_tokens":
+                sums[k] = sums.get(k, 0.0) + float(v) * w
+    sums["grad_norm"] = clip()
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    return sums
+
+
+def _episode_stats(groups: list[Group], batch: RolloutBatch) -> dict[str, float]:
+    eps = [e for g in groups for e in g.episodes]
+    comp = [len(t.completion_ids or []) for e in eps for t in e.trajectory.turns]
+    stats = dict(batch.stats)
+    stats.update({"turns_mean": sum(e.steps for e in eps) / max(len(eps), 1),
+                  "completion_length_mean": sum(comp) / max(len(comp), 1),
+                  "truncated_episodes": float(sum(e.truncated for e in eps)),
+                  "failed_episodes": float(sum(e.error is not None for e in eps)),
+                  "reward_std": _std([e.reward for e in eps]),
+                  "frac_zero_std_groups": sum(_std(g.rewards) == 0 for g in groups) / max(len(groups), 1)})
+    return stats
+
+
+def _std(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def make_env_factory(name: str, options: dict[str, Any]) -> EnvFactory:
+    from closedloop.evals.envs import make_env
+
+    make_env(name, **options)  # fail early on a bad name or option
+    return lambda: make_env(name, **options)
+
+
+def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, make_env: EnvFactory | None = None,
+               on_step: Callable[[int, dict[str, float]], None] | None = None) -> GRPOResult:
+    """Run GRPO as configured; returns where the model went and the metric history."""
+    from closedloop.models.hf import HFClient
+    from closedloop.trainers.session import TrainingSession
+
+    session = TrainingSession(config, kind="grpo", model=model, tokenizer=tokenizer)
+    accel, policy = session.accelerator, session.model
+    unwrapped = accel.unwrap_model(policy)
+    make_env = make_env or make_env_factory(config.env, config.env_options)
+    if config.rollout_model:
+        from closedloop.models import make_client
+
+        client = make_client(config.rollout_model)
+    else:
+        client = HFClient.from_model(unwrapped, session.tokenizer, name=f"policy:{config.model_path}",
+                                     max_batch_size=config.max_batch_size)
+    use_is = config.importance_sampling == "on" or (config.importance_sampling == "auto" and bool(config.rollout_model))
+    ref_model = None
+    if config.beta > 0:
+        ref_model = copy.deepcopy(unwrapped).eval()
+        for p in ref_model.parameters():
+            p.requires_grad_(False)
+    spec = reward_spec(config)
+    policy_def = GraphPolicy(client, config.graph, config.sampling, dict(config.graph_options))
+    rank = accel.process_index
+    rng = random.Random(f"{config.seed}:{rank}")
+    history: list[dict[str, float]] = []
+    start = session.start_step
+    for _ in range(start):  # a resumed run draws the seeds it would have drawn
+        [rng.randrange(config.train_seed_count) for _ in range(config.prompts_per_step)]
+    from closedloop.trainers.checkpoint import InterruptGuard
+
+    status = "completed"
+    with InterruptGuard() as guard:
+        for step in range(start, config.max_steps or 0):
+            t0 = time.perf_counter()
+            seeds = [config.train_seed_start + rng.randrange(config.train_seed_count)
+                     for _ in range(config.prompts_per_step)]
+            unwrapped.eval()
+            groups = asyncio.run(collect_groups(make_env, policy_def, seeds, config.num_generations,
+                                                max_steps=config.max_env_steps,
+                                                sample_seed=None if config.seed is None else
+                                                config.seed * 7919 + step * 104729 + rank,
+                                                concurrency=config.rollout_concurrency,
+                                                metadata={"step": step, "env": config.env}))
+            t_roll = time.perf_counter() - t0
+            pad = session.tokenizer.pad_token_id if session.tokenizer.pad_token_id is not None else 0
+            batch = build_batch(groups, spec, scale=config.scale_rewards, gamma=config.gamma,
+                                turn_weight=config.turn_weight, max_length=config.max_length, pad_id=pad)
+            device = accel.device
+            batch = RolloutBatch(batch.input_ids.to(device), batch.attention_mask.to(device),
+                                 batch.loss_mask.to(device), batch.old_logps.to(device), batch.logprob_mask.to(device),
+                                 batch.advantages.to(device), batch.rows_per_episode, batch.truncated_tokens,
+                                 batch.stats)
+            session.record_trajectories([e.trajectory for g in groups for e in g.episodes], step)
+            unwrapped.train()
+            micro = config.per_device_batch_size
+            old = batch.old_logps
+            is_weights = None
+            if use_is or bool((batch.logprob_mask < batch.loss_mask).any()):
+                trainer_old = sequence_logprobs(policy, batch, config.temperature, micro)
+                if use_is:
+                    is_weights = importance_sampling_weights(trainer_old, batch.old_logps, batch.loss_mask,
+                                                             clip_max=config.importance_sampling_cap,
+                                                             sampler_mask=batch.logprob_mask)
+                    old = trainer_old
+                else:  # tokens whose sampler gave no logprob: the trainer's own (TRL's old_per_token_logps)
+                    old = torch.where(batch.logprob_mask.bool(), batch.old_logps, trainer_old)
+            ref = sequence_logprobs(ref_model, batch, config.temperature, micro) if ref_model is not None else None
+            t1 = time.perf_counter()
+            for _ in range(config.num_iterations):
+                m = grpo_update(policy, session.optimizer, session.scheduler, batch, config, old_logps=old,
+                                ref_logps=ref, is_weights=is_weights, backward=accel.backward,
+                                clip=session.clip_gradients)
+            t_train = time.perf_counter() - t1
+            tokens = float(batch.attention_mask.sum())
+            metrics = {**_episode_stats(groups, batch), **m, "rollout_s": t_roll, "train_s": t_train,
+                       "step_s": time.perf_counter() - t0, "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
+                       "learning_rate": session.current_lr()}
+            history.append({"step": step + 1, **metrics})
+            session.log(step + 1, metrics)
+            if on_step is not None:
+                on_step(step + 1, metrics)
+            session.maybe_save(step + 1)
+            if guard.should_stop(accel):  # Ctrl-C: save, then stop; `resume: auto` continues
+                session.save(step + 1, interrupted=True)
+                status = "interrupted"
+                break
+    if status == "completed":
+        session.save_final()
+    session.finish(status)
+    return GRPOResult(Path(config.output_dir), session.run_id, session.step, history)
+
+
+CONFIG_CLASS = GRPOConfig
+
+
+def run_from_config(config: GRPOConfig) -> GRPOResult:
+    return train_grpo(config)
+
+
+__all__ = ["CONFIG_CLASS", "GRPOConfig", "GRPOResult", "grpo_update", "reward_spec", "run_from_config",
+           "sequence_logprobs", "train_grpo", "LOSS_TYPES"]

@@ -1,0 +1,145 @@
+"""From rollout groups to the tensors GRPO optimises.
+
+Kept apart from the training loop so each step can be checked by hand: rewards per episode
+(named components, weighted), per-turn credit (see :mod:`closedloop.trainers.advantages` for the
+rule), and the padded batch whose ids are exactly the sampled ids (``Trajectory.token_view``;
+nothing is re-tokenised).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from closedloop.messages import Trajectory
+from closedloop.trainers.advantages import token_advantages, turn_level_advantages
+from closedloop.trainers.rollout import Group
+
+RewardFn = Callable[[Trajectory], float]
+
+
+def load_reward_fn(path: str) -> tuple[str, RewardFn]:
+    """``"package.module:function"`` → (name, callable). The name is the function's, used to log
+    the component apart."""
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise ValueError(f"reward function {path!r} must look like 'package.module:function'")
+    fn = getattr(importlib.import_module(module), attr, None)
+    if not callable(fn):
+        raise ValueError(f"{path!r} is not a callable")
+    return attr, fn
+
+
+@dataclass
+class RewardSpec:
+    """How environment components and reward functions combine.
+
+    ``weights``: component → weight (components not named weigh 1.0). ``turn_components`` are
+    credited per turn (their per-turn values feed the turn-level advantage); all others form the
+    episode's final reward. ``functions`` are extra named rewards computed on the finished
+    trajectory (final-reward side).
+    """
+
+    weights: dict[str, float] = field(default_factory=dict)
+    turn_components: list[str] = field(default_factory=list)
+    functions: dict[str, RewardFn] = field(default_factory=dict)
+
+    def w(self, name: str) -> float:
+        return float(self.weights.get(name, 1.0))
+
+    def score(self, traj: Trajectory) -> tuple[float, list[float], dict[str, float]]:
+        """(final reward, per-turn rewards, every named component unweighted for logging)."""
+        comps = dict(traj.rewards)
+        for name, fn in self.functions.items():
+            comps[name] = float(fn(traj))
+        final = sum(self.w(k) * v for k, v in comps.items() if k not in self.turn_components)
+        per_turn = [sum(self.w(k) * v for k, v in tr.items() if k in self.turn_components)
+                    for tr in traj.metadata.get("turn_rewards") or [{} for _ in traj.turns]]
+        if len(per_turn) != len(traj.turns):
+            per_turn = (per_turn + [0.0] * len(traj.turns))[: len(traj.turns)]
+        return final, per_turn, comps
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T] float: trained tokens
+    old_logps: torch.Tensor  # [B, T] recorded sampling logprobs (0 where logprob_mask is 0)
+    logprob_mask: torch.Tensor  # [B, T] 1 where old_logps is a recorded value
+    advantages: torch.Tensor  # [B, T] per-token advantages (0 on context)
+    rows_per_episode: list[int]
+    truncated_tokens: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def slice(self, idx: slice) -> "RolloutBatch":
+        return RolloutBatch(self.input_ids[idx], self.attention_mask[idx], self.loss_mask[idx], self.old_logps[idx],
+                            self.logprob_mask[idx], self.advantages[idx], [], 0, {})
+
+
+def build_batch(groups: list[Group], spec: RewardSpec, *, scale: str = "group", gamma: float = 1.0,
+                turn_weight: float = 1.0, max_length: int | None = None, pad_id: int = 0) -> RolloutBatch:
+    """Score every episode, assign per-token advantages, and pad the token views into a batch.
+
+    Episodes whose turns have no token ids (a remote server that does not return them) are
+    refused with :class:`~closedloop.messages.MissingTokensError` by ``token_view``.
+    """
+    finals: list[float] = []
+    turn_rewards: list[list[float]] = []
+    group_ids: list[int] = []
+    trajs: list[Trajectory] = []
+    comp_sums: dict[str, list[float]] = {}
+    for gi, g in enumerate(groups):
+        for ep in g.episodes:
+            final, per_turn, comps = spec.score(ep.trajectory)
+            finals.append(final)
+            turn_rewards.append(per_turn)
+            group_ids.append(gi)
+            trajs.append(ep.trajectory)
+            for k, v in comps.items():
+                comp_sums.setdefault(k, []).append(v)
+    per_turn_adv = turn_level_advantages(torch.tensor(finals, dtype=torch.float32), turn_rewards,
+                                         torch.tensor(group_ids), gamma=gamma, turn_weight=turn_weight, scale=scale)
+    rows: list[dict[str, list]] = []
+    rows_per_episode: list[int] = []
+    truncated = 0
+    for traj, adv in zip(trajs, per_turn_adv):
+        views = traj.token_view()
+        rows_per_episode.append(len(views))
+        for v in views:
+            n = len(v.input_ids) if max_length is None else min(len(v.input_ids), max_length)
+            truncated += len(v.input_ids) - n
+            tok_adv = token_advantages([list(map(float, adv))], torch.tensor([v.turn_index[:n]]))[0].tolist()
+            rows.append({"ids": v.input_ids[:n], "mask": v.loss_mask[:n], "lp": v.logprobs[:n],
+                         "lpm": v.logprob_mask[:n], "adv": tok_adv})
+    width = max((len(r["ids"]) for r in rows), default=1)
+    b = len(rows)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    mask = torch.zeros((b, width))
+    old = torch.zeros((b, width))
+    lpm = torch.zeros((b, width))
+    advs = torch.zeros((b, width))
+    for i, r in enumerate(rows):  # right padding: training needs no KV cache alignment
+        n = len(r["ids"])
+        ids[i, :n] = torch.tensor(r["ids"])
+        attn[i, :n] = 1
+        mask[i, :n] = torch.tensor(r["mask"], dtype=torch.float32)
+        old[i, :n] = torch.tensor(r["lp"], dtype=torch.float32)
+        lpm[i, :n] = torch.tensor(r["lpm"], dtype=torch.float32)
+        advs[i, :n] = torch.tensor(r["adv"], dtype=torch.float32)
+    stats: dict[str, float] = {"reward": float(sum(finals) / max(len(finals), 1))}
+    for k, vs in comp_sums.items():
+        stats[f"rewards/{k}"] = sum(vs) / len(vs)
+    stats["episodes"] = float(len(trajs))
+    return RolloutBatch(ids, attn, mask, old, lpm, advs,
+                        rows_per_episode, truncated, stats)
+
+
+__all__ = ["RewardFn", "RewardSpec", "RolloutBatch", "build_batch", "load_reward_fn"]

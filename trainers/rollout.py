@@ -1,0 +1,182 @@
+"""Rollouts that run the agent graph itself as the policy.
+
+A registered graph (``react``, ``clarifier``, any plugin graph) is compiled as a one-step policy
+(``execute_tools=False``) around the trainer's live model (``HFClient.from_model``): each
+environment step sends the graph the messages it has not seen yet, the graph's model node samples
+one turn (token-exact: the ids the trainer optimises are the ids that were sampled, never
+re-tokenised text), and the environment executes the tool calls or lets its user answer. Each
+episode has its own graph thread (in-memory checkpointer), so graph state outside the messages
+(the clarifier's belief and question budget) lives across the episode as it does in evaluation.
+
+G episodes start from the identical initial state (``env.areset(seed)`` with the same seed) and
+all episodes of a rollout batch run concurrently, so the client's micro-batcher decodes them
+together on the device.
+
+Rewards: ``info["rewards"]`` of every step (named components, see :mod:`closedloop.env`) are
+summed per episode into ``Trajectory.rewards``; components the trainer treats as per-turn (such
+as ``info_gain``) are also kept per turn, on the last trainable turn the graph produced in that
+step, in ``Trajectory.metadata["turn_rewards"]`` (one dict per turn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from closedloop import plugins
+from closedloop.env import AgentEnvironment
+from closedloop.messages import AssistantMessage, Trajectory, Turn, _Message
+from closedloop.models.base import ModelClient, SamplingParams
+from closedloop.runtime import make_checkpointer
+from closedloop.tool import ToolRegistry
+
+EnvFactory = Callable[[], AgentEnvironment]
+
+
+class SchemaTools(ToolRegistry):
+    """The environment's tool schemas, for a graph that only proposes calls (the environment
+    executes them): the model node needs the schemas, never the functions."""
+
+    def __init__(self, schemas: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self._schemas = list(schemas)
+
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        return list(self._schemas)
+
+    def __len__(self) -> int:
+        return len(self._schemas)
+
+
+@dataclass
+class GraphPolicy:
+    """A graph factory plus the model it runs on; ``graph`` names a ``closedloop.graphs`` entry point."""
+
+    client: ModelClient
+    graph: str | Callable[..., Any] = "react"
+    params: SamplingParams = field(default_factory=SamplingParams)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def factory(self) -> Callable[..., Any]:
+        return plugins.load("closedloop.graphs", self.graph) if isinstance(self.graph, str) else self.graph
+
+    def build(self, tools: list[dict[str, Any]], params: SamplingParams):
+        return self.factory()(self.client, SchemaTools(tools), system_prompt=None, params=params,
+                              execute_tools=False, checkpointer=make_checkpointer("memory"), **self.options)
+
+
+@dataclass
+class Episode:
+    trajectory: Trajectory
+    terminated: bool
+    truncated: bool
+    steps: int
+    info: dict[str, Any]
+    error: str | None = None
+
+    @property
+    def reward(self) -> float:
+        return float(sum(self.trajectory.rewards.values()))
+
+
+def _add(into: dict[str, float], comps: dict[str, float]) -> None:
+    for k, v in comps.items():
+        into[k] = into.get(k, 0.0) + float(v)
+
+
+async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, max_steps: int = 16,
+                      sample_seed: int | None = None, metadata: dict[str, Any] | None = None) -> Episode:
+    """One episode: the graph acts, the environment answers, until it ends or ``max_steps``."""
+    env = make_env()
+    obs, info = await env.areset(seed=seed)
+    params = policy.params if sample_seed is None else policy.params.model_copy(update={"seed": sample_seed})
+    graph = policy.build(info.get("tools") or [], params)
+    config = {"configurable": {"thread_id": uuid.uuid4().hex}}
+    turns: list[Turn] = []
+    turn_rewards: list[dict[str, float]] = []
+    totals: dict[str, float] = {}
+    seen, steps, terminated, truncated, last_info, error = 0, 0, False, False, dict(info), None
+    messages: list[_Message] = list(obs)
+    while steps < max_steps:
+        try:
+            out = await graph.ainvoke({"messages": messages[seen:]}, config)
+        except Exception as e:  # a policy failure ends the episode; it is reported, not hidden
+            error = f"{type(e).__name__}: {e}"
+            break
+        new_turns = list(out.get("turns") or [])[len(turns):]
+        last = out["messages"][-1]
+        action: AssistantMessage | Turn
+        action = new_turns[-1] if new_turns and new_turns[-1].message == last else (
+            last if isinstance(last, AssistantMessage) else AssistantMessage(content=str(last)))
+        turns += new_turns
+        turn_rewards += [{} for _ in new_turns]
+        obs, reward, terminated, truncated, step_info = await env.astep(action)
+        steps += 1
+        comps = dict(step_info.get("rewards") or {"reward": float(reward)})
+        _add(totals, comps)
+        owner = next((i for i in range(len(turns) - 1, -1, -1) if turns[i].trainable), None)
+        if owner is not None:
+            _add(turn_rewards[owner], comps)
+        # The environment appends the agent's reply to its history; the graph's thread already
+        # holds that reply, so only what comes after it is new to the graph (as in evaluation).
+        seen = len(messages) + 1
+        messages = list(obs)
+        last_info = step_info
+        if terminated or truncated:
+            break
+    else:
+        truncated = True
+    traj = Trajectory(messages=messages, turns=turns, rewards=totals,
+                      step_rewards=[sum(r.values()) if r else None for r in turn_rewards],
+                      metadata={"seed": seed, "sample_seed": sample_seed, "steps": steps, "terminated": terminated,
+                                "truncated": truncated, "turn_rewards": turn_rewards, **(metadata or {}),
+                                **({"error": error} if error else {})})
+    return Episode(traj, terminated, truncated, steps, last_info, error)
+
+
+@dataclass
+class Group:
+    """G episodes from the identical initial state (one environment seed)."""
+
+    seed: int
+    episodes: list[Episode]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [e.reward for e in self.episodes]
+
+
+async def collect_groups(make_env: EnvFactory, policy: GraphPolicy, seeds: Iterable[int], group_size: int, *,
+                         max_steps: int = 16, sample_seed: int | None = None, concurrency: int | None = None,
+                         on_episode: Callable[[Episode], None] | None = None,
+                         metadata: dict[str, Any] | None = None) -> list[Group]:
+    """``group_size`` episodes per seed, all run concurrently (bounded by ``concurrency``).
+
+    ``sample_seed`` makes sampling reproducible: episode j of seed s samples with
+    ``sample_seed + 1000 * s + j`` (distinct within a group, so the group explores).
+    """
+    if group_size < 1:
+        raise ValueError("group_size must be >= 1")
+    seeds = list(seeds)
+    sem = asyncio.Semaphore(concurrency) if concurrency else None
+
+    async def one(seed: int, j: int) -> Episode:
+        ss = None if sample_seed is None else sample_seed + 1000 * seed + j
+        meta = {"group": seed, "sample": j, **(metadata or {})}
+        if sem is None:
+            ep = await run_episode(make_env, policy, seed, max_steps=max_steps, sample_seed=ss, metadata=meta)
+        else:
+            async with sem:
+                ep = await run_episode(make_env, policy, seed, max_steps=max_steps, sample_seed=ss, metadata=meta)
+        if on_episode is not None:
+            on_episode(ep)
+        return ep
+
+    episodes = await asyncio.gather(*(one(s, j) for s in seeds for j in range(group_size)))
+    return [Group(s, list(episodes[i * group_size:(i + 1) * group_size])) for i, s in enumerate(seeds)]
+
+
+__all__ = ["Episode", "EnvFactory", "GraphPolicy", "Group", "SchemaTools", "collect_groups", "run_episode"]
