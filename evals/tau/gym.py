@@ -1,11 +1,13 @@
 """A gym-style environment over the same orchestrator, for trainers.
 
-``reset()`` starts an episode and returns the agent's first observation (the message list it
-would be prompted with); ``step(action)`` takes one agent message. The reward is sparse: 0 until
-the episode ends, then the graded reward (an ungraded episode gives 0 with
-``info["graded"] = False``, never a silent 1). ``truncated`` is true for limit endings (max steps,
-timeout). An action is an :class:`AssistantMessage`, a :class:`Turn`, plain text, or tau2 gym's
-JSON tool call ``{"name": ..., "arguments": {...}}``.
+It satisfies :class:`closedloop.env.AgentEnvironment`. ``reset(seed)`` starts an episode and
+returns the agent's first observation (the message list it would be prompted with); ``seed``
+becomes the user simulator's sampling seed and the simulation's recorded seed (tau2's per-trial
+seed). ``step(action)`` takes one agent message. The reward is sparse: 0 until the episode ends,
+then the graded reward (an ungraded episode gives 0 with ``info["graded"] = False``, never a
+silent 1); ``info["rewards"]`` is ``{"success": reward}`` on every step. ``truncated`` is true for
+limit endings (max steps, timeout). An action is an :class:`AssistantMessage`, a :class:`Turn`,
+plain text, or tau2 gym's JSON tool call ``{"name": ..., "arguments": {...}}``.
 
 Async methods (``areset``/``astep``) are the primary API; ``reset``/``step`` run them on a private
 event loop for synchronous trainers (not usable from inside a running loop).
@@ -61,13 +63,18 @@ class TauGymEnv:
 
     # ------------------------------------------------------------------ async API
 
-    async def areset(self) -> tuple[list[_Message], dict[str, Any]]:
+    async def areset(self, seed: int | None = None) -> tuple[list[_Message], dict[str, Any]]:
         env = self.environment_factory()
-        user = make_user(self.task, self.user_client, guidelines=self.guidelines)
-        self.orchestrator = Orchestrator(self.task, env, user, **self.orchestrator_kwargs)
+        kwargs = dict(self.orchestrator_kwargs)
+        if seed is not None:
+            kwargs["seed"] = seed
+        seed = kwargs.get("seed")
+        user = make_user(self.task, self.user_client, guidelines=self.guidelines, seed=seed)
+        self.orchestrator = Orchestrator(self.task, env, user, **kwargs)
         self.simulation = None
         await self.orchestrator.start()
-        info = {"tools": [t.schema for t in self.orchestrator.tools], "policy": env.policy, "task_id": self.task.id}
+        info = {"tools": [t.schema for t in self.orchestrator.tools], "policy": env.policy, "task_id": self.task.id,
+                "seed": seed, "rewards": {"success": 0.0}}
         if self.orchestrator.done:
             info.update(await self._final_info())
         return self.orchestrator.agent_messages(), info
@@ -80,7 +87,7 @@ class TauGymEnv:
             raise RuntimeError("the episode is over; call reset()")
         await orch.submit(parse_action(action))
         if not orch.done:
-            return orch.agent_messages(), 0.0, False, False, {}
+            return orch.agent_messages(), 0.0, False, False, {"rewards": {"success": 0.0}}
         info = await self._final_info()
         truncated = orch.termination in _TRUNCATIONS
         return orch.agent_messages(), info["reward"], not truncated, truncated, info
@@ -91,7 +98,8 @@ class TauGymEnv:
         sim.reward_info = await evaluate(sim, self.task, self.environment_factory, self.judge)
         self.simulation = sim
         graded = sim.reward_info.reward is not None
-        return {"reward": sim.reward_info.reward if graded else 0.0, "graded": graded,
+        reward = sim.reward_info.reward if graded else 0.0
+        return {"reward": reward, "rewards": {"success": reward}, "graded": graded,
                 "termination_reason": sim.termination_reason.value, "reward_info": sim.reward_info,
                 "simulation": sim}
 
@@ -102,8 +110,8 @@ class TauGymEnv:
             self._loop = asyncio.new_event_loop()
         return self._loop.run_until_complete(coro)
 
-    def reset(self) -> tuple[list[_Message], dict[str, Any]]:
-        return self._run(self.areset())
+    def reset(self, seed: int | None = None) -> tuple[list[_Message], dict[str, Any]]:
+        return self._run(self.areset(seed))
 
     def step(self, action: AssistantMessage | Turn | str) -> tuple[list[_Message], float, bool, bool, dict[str, Any]]:
         return self._run(self.astep(action))
