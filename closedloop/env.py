@@ -16,6 +16,12 @@ satisfy this shape without inheriting from anything in the core.
   ``reward``, so trainers can log each apart and place per-turn credit.
 
 A terminated or truncated episode must be reset before the next step.
+
+Conventions of the built-in environments (``closedloop.evals.envs``: ``calc``, ``clarify``): the
+same seed gives the same episode; ``areset(None)`` draws a fresh seed and reports it in
+``info["seed"]``; every step's ``info["rewards"]`` has the same keys (0.0 where a component does
+not apply), so per-component logs line up; a malformed action (unknown tool, bad JSON, no
+answer) is answered with an error message the agent sees, and the episode goes on.
 """
 
 from __future__ import annotations
