@@ -6,24 +6,52 @@ when the belief is uncertain; otherwise it proceeds exactly like ``react``.
 
     START → assess ──(uncertain, budget left)──→ ask → END   (the question goes to the user)
                    └──(confident)──→ model ⇄ tools → END
+
+Every model call lands in the state's ``turns`` (in call order), so a trainer sees all of them:
+
+- the candidate-goal proposal (:func:`propose_with_model`) is recorded with ``trainable=False,
+  purpose="propose_goals"``. It is a helper call, not an action: its output only feeds the frozen
+  scorer's belief, which decides whether to ask. Rewarding it with the episode's return would
+  teach the policy to propose candidate sets that steer the gate (one candidate never asks) rather
+  than to act well, so it is kept for audit and skipped by ``Trajectory.token_view``.
+- the clarifying question is the policy's action and is trainable (``purpose="policy"``); its
+  prompt ends with the ask instruction the model really saw, so its tokens start a new sequence.
+- when the model does not produce a question, its reply is recorded as generated with
+  ``trainable=False, purpose="ask_discarded"`` and the user gets a templated question, which no
+  model generated and which therefore has no turn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Collection, Sequence, Union
 
 from langgraph.graph import END, START, StateGraph
 
 from closedloop.agents.clarifier.belief import BeliefTracker, should_ask
 from closedloop.agents.clarifier.scorer import GoalScorer
 from closedloop.graphs.react import DEFAULT_SYSTEM_PROMPT
-from closedloop.messages import AssistantMessage, SystemMessage, UserMessage, _Message
+from closedloop.messages import AssistantMessage, SystemMessage, Turn, UserMessage, _Message
 from closedloop.models.base import ModelClient, SamplingParams
 from closedloop.runtime import AgentState, make_model_node, wire_tool_loop
 from closedloop.tool import ToolRegistry
 
-Candidates = Callable[[Sequence[_Message]], Sequence[str]]
+
+@dataclass
+class GoalProposal:
+    """Candidate goals plus the model calls that produced them (recorded in the graph's turns)."""
+
+    goals: list[str]
+    turns: list[Turn] = field(default_factory=list)
+
+
+_Proposed = Union[Sequence[str], GoalProposal]
+#: A candidate generator: conversation -> goals (or a :class:`GoalProposal`), sync or async.
+Candidates = Callable[[Sequence[_Message]], Union[_Proposed, Awaitable[_Proposed]]]
+
+PROPOSE_PURPOSE = "propose_goals"
 
 PROPOSE_PROMPT = ("List up to {k} distinct, specific goals the user might have given the conversation so far, "
                   "one per line, no numbering.")
@@ -40,15 +68,27 @@ def _lines(text: str, k: int) -> list[str]:
     return out[:k]
 
 
-def propose_with_model(client: ModelClient, k: int = 4, params: SamplingParams | None = None) -> Any:
-    """A candidate generator that asks the policy model itself."""
+def propose_with_model(client: ModelClient, k: int = 4,
+                       params: SamplingParams | None = None) -> Callable[[Sequence[_Message]], Awaitable[GoalProposal]]:
+    """A candidate generator that asks the policy model itself. Its turn is marked
+    ``trainable=False, purpose="propose_goals"`` (see the module docstring for why)."""
 
-    async def propose(messages: Sequence[_Message]) -> list[str]:
+    async def propose(messages: Sequence[_Message]) -> GoalProposal:
         ask = list(messages) + [UserMessage(content=PROPOSE_PROMPT.format(k=k))]
         turn = await client.generate(ask, None, params or SamplingParams(temperature=0.0, max_tokens=96))
-        return _lines(turn.message.text, k)
+        turn = turn.model_copy(update={"trainable": False, "purpose": PROPOSE_PURPOSE})
+        return GoalProposal(_lines(turn.message.text, k), [turn])
 
     return propose
+
+
+async def _proposal(propose: Candidates, context: Sequence[_Message]) -> GoalProposal:
+    result = propose(context)
+    if hasattr(result, "__await__"):
+        result = await result
+    if isinstance(result, GoalProposal):
+        return result
+    return GoalProposal(list(result))
 
 
 def build_clarifier_graph(client: ModelClient, tools: ToolRegistry | None = None, *,
@@ -66,7 +106,8 @@ def build_clarifier_graph(client: ModelClient, tools: ToolRegistry | None = None
         if not (hasattr(client, "model") and hasattr(client, "tokenizer")):
             raise ValueError("the clarifier needs a scorer: pass scorer=GoalScorer.from_pretrained(path) "
                              "(only hf: clients can lend their own model)")
-        scorer = GoalScorer(client.model, client.tokenizer)
+        with client.paused() if hasattr(client, "paused") else contextlib.nullcontext():
+            scorer = GoalScorer(client.model, client.tokenizer)  # a consistent snapshot, never mid-update
     tracker = BeliefTracker(scorer, temperature=belief_temperature)
     propose = candidates or propose_with_model(client, params=None)
 
@@ -78,33 +119,34 @@ def build_clarifier_graph(client: ModelClient, tools: ToolRegistry | None = None
             scratch["decision"] = "proceed"
             return {"scratch": scratch}
         context = ([SystemMessage(content=system_prompt)] if system_prompt else []) + list(messages)
-        goals = propose(context)
-        goals = list(await goals) if hasattr(goals, "__await__") else list(goals)
+        proposal = await _proposal(propose, context)
+        goals = proposal.goals
+        recorded = {"turns": list(proposal.turns)} if proposal.turns else {}
         if len(goals) < 2:
             scratch.update(decision="proceed", belief={g: 1.0 for g in goals})
-            return {"scratch": scratch}
+            return {"scratch": scratch, **recorded}
         belief = tracker.belief(context, goals)
         ask = should_ask(belief, threshold=threshold, asked=asked, budget=budget)
         scratch.update(decision="ask" if ask else "proceed", belief=belief.as_dict(),
                        entropy=belief.normalized_entropy)
-        return {"scratch": scratch}
+        return {"scratch": scratch, **recorded}
 
     async def ask(state: AgentState) -> dict[str, Any]:
         scratch = dict(state["scratch"])
         goals = "\n".join(f"- {g}" for g in scratch["belief"])
         messages = list(state.get("messages", [])) + [UserMessage(content=ASK_PROMPT.format(goals=goals))]
         turn = await client.generate(messages, None, params)
+        scratch["asked"] = int(scratch.get("asked", 0)) + 1
         if not turn.message.tool_calls and turn.message.text.strip().endswith("?"):
             message = AssistantMessage(content=turn.message.text.strip())
-        else:
-            # The model did not produce a question: ask from a template, and drop the token record,
-            # since these words were not generated by the model and must not be trained on.
-            options = " or ".join(list(scratch["belief"])[:3])
-            message = AssistantMessage(content=f"Could you tell me which you mean: {options}?")
-            turn = turn.model_copy(update={"prompt_ids": None, "completion_ids": None, "logprobs": None,
-                                           "loss_mask": None})
-        scratch["asked"] = int(scratch.get("asked", 0)) + 1
-        return {"messages": [message], "turns": [turn.model_copy(update={"message": message})], "scratch": scratch}
+            return {"messages": [message], "turns": [turn.model_copy(update={"message": message})], "scratch": scratch}
+        # The model did not produce a question: the user gets a templated one. The model's reply is
+        # kept as it was generated, marked not for training (it was not the action taken); the
+        # template's words were generated by no model, so they have no turn.
+        options = " or ".join(list(scratch["belief"])[:3])
+        message = AssistantMessage(content=f"Could you tell me which you mean: {options}?")
+        discarded = turn.model_copy(update={"trainable": False, "purpose": "ask_discarded"})
+        return {"messages": [message], "turns": [discarded], "scratch": scratch}
 
     graph = StateGraph(AgentState)
     graph.add_node("assess", assess)

@@ -3,15 +3,21 @@ few milliseconds into one batch for a single worker thread, which owns the devic
 
 One worker thread (not an asyncio task) so that one client can serve several event loops (a
 server, a test runner, a trainer's rollout loop) and the device work never blocks a loop.
+
+Each batch runs while holding :attr:`MicroBatcher.lock` (a ``threading.RLock``). A trainer that
+shares the model with the backend holds the same lock (``with batcher.paused():``) while it
+changes the weights, so no batch ever decodes across an optimizer step or a weight load: a batch
+already running finishes first, and requests queued meanwhile run after the context exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -48,6 +54,19 @@ class MicroBatcher(Generic[T]):
         self._queue: queue.Queue[T | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
+        #: Held by the worker for the whole of each batch; hold it to keep batches out.
+        self.lock = threading.RLock()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Keep batches from running inside the block (e.g. while a trainer steps the optimizer).
+
+        Blocks the calling thread until the batch in progress, if any, has finished. Requests
+        submitted meanwhile wait in the queue and run after the block. Re-entrant. Never await a
+        generation of this batcher inside the block: it cannot run until the block exits.
+        """
+        with self.lock:
+            yield
 
     def put(self, item: T) -> None:
         self._queue.put(item)
@@ -83,6 +102,7 @@ class MicroBatcher(Generic[T]):
                 batch.append(item)
             live = [b for b in batch if not getattr(getattr(b, "future", None), "cancelled", lambda: False)()]
             if live:
-                self.run_batch(live)
+                with self.lock:
+                    self.run_batch(live)
             if stop:
                 return

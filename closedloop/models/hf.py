@@ -8,28 +8,52 @@ gathers what arrives within ``batch_wait_ms`` (up to ``max_batch_size``) into on
 and decodes it with a KV cache. The queue lives in a thread rather than in one event loop so a
 client can be shared across loops (tests, notebooks, a server).
 
-Recorded logprobs are ``log_softmax(logits / temperature)`` at the chosen token, computed in
-float32 on the full vocabulary: top-p truncation changes which tokens can be drawn, not the
-recorded value (what PPO-style importance ratios against a recomputation expect). At temperature 0
-decoding is greedy and logprobs are those of the unscaled logits.
+Logprobs (``Turn.logprob_spec``, mode ``"tempered"``, backend ``"hf"``): the recorded value is
+``log_softmax(logits / temperature)`` at the chosen token, computed in float32 on the full
+vocabulary. Top-p truncation changes which tokens can be drawn, not the recorded value, which is
+exactly what closedloop's trainers recompute for importance ratios. At temperature 0 decoding is
+greedy and the recorded logprobs are those of the unscaled logits, so the spec records
+``temperature=1.0`` (and ``top_p=1.0``: greedy decoding used neither), which is what those values
+equal. ``vllm:`` records the same quantity by default (see :mod:`closedloop.models.vllm_client`).
+
+Train/eval mode and weight updates: the client never changes the model's mode. The caller owns it:
+a trainer that samples from its live policy (:meth:`HFClient.from_model`) puts the model in
+``eval()`` for rollouts if it wants them without dropout, and back in ``train()`` for its update.
+(An earlier version toggled the mode from the worker thread, which raced with a trainer using the
+same module.) To keep generation off the weights while they change, the trainer holds
+:meth:`HFClient.paused` around its optimizer step (or mode switch): a running batch finishes
+first, no batch starts inside the block, and requests submitted meanwhile run after it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import logging
 import secrets
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
-from closedloop.messages import Turn, Usage, _Message
+from closedloop.messages import LogprobSpec, Turn, Usage, _Message
 from closedloop.models.base import (GenerateRequest, ModelClient, ModelError, SamplingParams, StreamEvent,
                                     TextDelta, ToolChoice, TurnDone)
 from closedloop.models.batching import MicroBatcher, settle
 from closedloop.models.chat_format import decode_ids, encode_prompt, parse_completion
+
+log = logging.getLogger("closedloop.models.hf")
+
+
+def hf_logprob_spec(params: SamplingParams) -> LogprobSpec:
+    """What ``hf:`` records for a request: tempered logprobs; greedy reads the plain softmax, so
+    greedy turns record ``temperature=1.0, top_p=1.0``."""
+    if params.temperature == 0:
+        return LogprobSpec(mode="tempered", temperature=1.0, top_p=1.0, backend="hf")
+    return LogprobSpec(mode="tempered", temperature=params.temperature, top_p=params.top_p, backend="hf")
 
 
 @dataclass
@@ -61,7 +85,12 @@ class _Row:
 
 
 class HFClient(ModelClient):
-    """A transformers causal LM behind the :class:`ModelClient` interface."""
+    """A transformers causal LM behind the :class:`ModelClient` interface.
+
+    The model's train/eval mode is the caller's: the client does not switch it (see the module
+    docstring). ``paused()`` / ``weights_lock`` keep generation out while the caller updates
+    the weights.
+    """
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str = "", max_batch_size: int = 16,
                  batch_wait_ms: float = 5.0):
@@ -81,6 +110,9 @@ class HFClient(ModelClient):
         self.batch_sizes: list[int] = []
         self._batcher: MicroBatcher[_Request] = MicroBatcher(self._run_batch, max_batch_size=max_batch_size,
                                                              wait_s=self.batch_wait_s, name="closedloop-hf-batcher")
+        #: Held for the whole of every device batch; a trainer holds it while it changes the weights.
+        self.weights_lock: threading.RLock = self._batcher.lock
+        self._warned_training = False
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
         self._eos_ids = self._stop_token_ids()
@@ -199,6 +231,17 @@ class HFClient(ModelClient):
         return {"batches": len(sizes), "requests": sum(sizes), "max_batch": max(sizes, default=0),
                 "histogram": dict(sorted(Counter(sizes).items()))}
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No generation runs on the model inside this block (hold it around an optimizer step).
+
+        Waits for the batch in progress to finish; requests submitted inside the block run after
+        it, on the updated weights. Re-entrant (a ``threading.RLock``). Do not await a generation
+        of this client inside the block: it cannot run until the block exits.
+        """
+        with self.weights_lock:
+            yield
+
     async def aclose(self) -> None:
         await self._batcher.close()
 
@@ -237,16 +280,14 @@ class HFClient(ModelClient):
         if not rows:
             return
         self.batch_sizes.append(len(rows))
+        if getattr(self.model, "training", False) and not self._warned_training:
+            self._warned_training = True  # the caller's choice (see the module docstring); said once
+            log.warning("%s: generating while the model is in train mode: dropout, if the model has any, "
+                        "is active in sampling and in the recorded logprobs", self.spec)
         try:
-            was_training = bool(getattr(self.model, "training", False))
-            if was_training:
-                self.model.eval()  # no dropout while sampling from a live policy
-            try:
-                with torch.no_grad():
-                    self._decode(rows)
-            finally:
-                if was_training:
-                    self.model.train()
+            # The batcher holds weights_lock around this call: no weight update mid-batch.
+            with torch.no_grad():
+                self._decode(rows)
         except Exception as e:
             for row in rows:
                 self._resolve(row.req, error=ModelError(f"generation failed: {type(e).__name__}: {e}"))
@@ -355,6 +396,6 @@ class HFClient(ModelClient):
             finish = "tool_calls"
         return Turn(message=message, model=self.name, prompt_ids=list(r.prompt_ids), completion_ids=list(r.ids),
                     logprobs=list(r.logprobs), loss_mask=[0] * len(r.prompt_ids) + [1] * len(r.ids),
-                    completion_text=text, finish_reason=finish,
+                    logprob_spec=hf_logprob_spec(r.req.params), completion_text=text, finish_reason=finish,
                     usage=Usage(prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.ids)),
                     latency_s=time.perf_counter() - r.req.submitted)

@@ -7,19 +7,38 @@ as for ``hf:``. Requests arriving within ``batch_wait_ms`` go to the engine in o
 call, where vLLM batches them continuously; the engine is not thread-safe, so one worker thread
 owns it.
 
-Logprobs: the engine is asked for ``processed_logprobs`` (after temperature and top-p, where the
-installed vLLM supports ``logprobs_mode``), which differs from ``hf:`` only where top-p removed
-tokens; older vLLM reports raw logprobs and ``logprobs_mode`` in :attr:`VLLMClient.info` says so.
+Logprobs (``Turn.logprob_spec``): vLLM's engine-wide ``logprobs_mode`` decides what its sampled
+token logprobs are. In current vLLM (v1 sampler, ``vllm/v1/sample/sampler.py``):
+
+- ``raw_logprobs`` (vLLM's default): ``log_softmax(logits)`` before any processing (no
+  temperature, penalties or truncation);
+- ``raw_logits``: the unprocessed logits themselves;
+- ``processed_logits``: the logits after penalties, temperature, min-p and top-k/top-p masking;
+- ``processed_logprobs``: ``log_softmax`` of those processed logits, i.e. after temperature *and*
+  after top-k/top-p truncation, renormalised over the kept tokens. For all-greedy batches it is
+  ``log_softmax`` of the unscaled logits.
+
+closedloop asks for ``processed_logprobs``. We never send penalties, logit bias, min-p or top-k,
+so with ``top_p == 1`` it is exactly ``log_softmax(logits / temperature)`` over the full
+vocabulary, the ``"tempered"`` mode that ``hf:`` records and the trainers recompute; greedy
+requests (temperature 0; vLLM then also resets top-p to 1) give the unscaled softmax, recorded as
+tempered at ``temperature=1.0`` as ``hf:`` does. With ``top_p < 1`` no vLLM mode yields the tempered
+value (the kept tokens' mass is not returned), so those turns record mode ``"processed"`` with
+their ``temperature`` and ``top_p``: each value is the tempered one minus ``log`` of the kept mass.
+Sample with ``top_p=1`` for rollouts whose logprobs a trainer uses as old logprobs. A vLLM too old
+for ``logprobs_mode`` reports raw logprobs; turns then record ``"raw"`` (tempered only when
+``temperature`` is 0 or 1 with ``top_p == 1``) and :attr:`VLLMClient.info` says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
-from closedloop.messages import Turn, Usage, _Message
+from closedloop.messages import LogprobSpec, Turn, Usage, _Message
 from closedloop.models.base import GenerateRequest, ModelClient, ModelError, SamplingParams, ToolChoice
 from closedloop.models.batching import MicroBatcher, settle
 from closedloop.models.chat_format import decode_ids, encode_prompt, parse_completion
@@ -33,6 +52,25 @@ def _import_vllm():
     except ImportError as e:
         raise ModelError(INSTALL_HINT) from e
     return vllm
+
+
+def vllm_logprob_spec(engine_mode: str, params: SamplingParams) -> LogprobSpec:
+    """What a turn's logprobs are, given the engine's ``logprobs_mode`` and the request's sampling.
+
+    Normalised so that whenever the values equal ``log_softmax(logits / T)`` at the sampled token
+    the spec says ``"tempered"`` (as ``hf:`` would for the same request), and otherwise names the
+    quantity vLLM returned.
+    """
+    greedy = params.temperature == 0
+    temperature = 1.0 if greedy else params.temperature
+    top_p = 1.0 if greedy else params.top_p  # vLLM resets top_p for greedy requests
+    if engine_mode == "processed_logprobs":
+        mode = "tempered" if top_p >= 1.0 else "processed"
+    elif engine_mode == "raw_logprobs":
+        mode = "tempered" if temperature == 1.0 and top_p >= 1.0 else "raw"
+    else:
+        raise ModelError(f"logprobs_mode {engine_mode!r} does not give logprobs; use 'processed_logprobs'")
+    return LogprobSpec(mode=mode, temperature=temperature, top_p=top_p, backend="vllm")
 
 
 @dataclass
@@ -108,8 +146,11 @@ class VLLMClient(ModelClient):
         if message.tool_calls and finish == "stop":
             finish = "tool_calls"
         prompt = list(output.prompt_token_ids or pending.prompt_ids)
+        spec = vllm_logprob_spec(self.info["logprobs_mode"], pending.params) if logprobs is not None else None
         return Turn(message=message, model=self.name, prompt_ids=prompt, completion_ids=ids, logprobs=logprobs,
-                    loss_mask=[0] * len(prompt) + [1] * len(ids), completion_text=text, finish_reason=finish,
+                    loss_mask=[0] * len(prompt) + [1] * len(ids), logprob_spec=spec,
+                    unavailable={} if logprobs is not None else {"logprobs": "the request set logprobs=False"},
+                    completion_text=text, finish_reason=finish,
                     usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(ids)),
                     latency_s=time.perf_counter() - pending.submitted)
 
@@ -137,6 +178,13 @@ class VLLMClient(ModelClient):
         return await self.batch([GenerateRequest(messages, tools, params if params.seed is None else
                                                  params.model_copy(update={"seed": params.seed + i}), tool_choice)
                                  for i in range(n)])
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No ``generate`` call reaches the engine inside this block (hold it while loading new
+        weights into the engine); requests submitted meanwhile run after it. As ``HFClient.paused``."""
+        with self._batcher.paused():
+            yield
 
     async def aclose(self) -> None:
         await self._batcher.close()

@@ -13,6 +13,13 @@ Known limits, stated rather than hidden:
   A named function is the only tool shown; when the reply has no (matching) call and sampling is
   random, the request is re-asked up to ``max_reasks`` times (non-streaming requests only); the
   last reply is returned as is. Greedy requests are not re-asked: the answer would not change.
+  Re-asks are not hidden: each choice lists the replies it discarded under
+  ``closedloop_discarded`` (finish reason, content, tool calls, token count, and token ids and
+  logprobs when the request asked for them), and ``usage.completion_tokens`` counts their tokens
+  (broken out in ``usage.completion_tokens_details.closedloop_discarded_tokens``), as OpenAI
+  counts reasoning tokens the reply does not show. ``prompt_tokens`` counts the prompt once, as
+  for ``n`` choices. Both fields are absent when nothing was re-asked. The returned reply was
+  sampled with a derived seed (``seed + 1000 * attempt``), which is what its logprobs describe.
 * ``top_logprobs`` entries are empty lists: the backends give the sampled token's logprob only.
 * When streaming, text arrives as deltas but logprobs, ``token_ids`` and ``prompt_token_ids``
   arrive whole on each choice's final chunk (the one with ``finish_reason``), and tool calls
@@ -38,9 +45,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from closedloop.messages import Turn, _Message, content_text
 from closedloop.models.base import (ModelClient, ModelError, ModelUnavailableError, SamplingParams,
                                     TextDelta, TurnDone)
-from closedloop.server.schemas import (ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs, ErrorBody,
-                                       ErrorResponse, ModelCard, ModelList, ResponseFunctionCall, ResponseMessage,
-                                       ResponseToolCall, TokenLogprob, UsageInfo)
+from closedloop.server.schemas import (ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs,
+                                       CompletionTokensDetails, DiscardedAttempt, ErrorBody, ErrorResponse, ModelCard,
+                                       ModelList, ResponseFunctionCall, ResponseMessage, ResponseToolCall,
+                                       TokenLogprob, UsageInfo)
 
 log = logging.getLogger("closedloop.server")
 
@@ -145,11 +153,27 @@ def _content(turn: Turn) -> str | None:
     return content_text(turn.message.content)
 
 
-def _usage(turns: list[Turn]) -> UsageInfo:
-    """OpenAI counts the prompt once for ``n`` choices and sums the completions."""
+def _completion_tokens(turn: Turn) -> int:
+    return turn.usage.completion_tokens or len(turn.completion_ids or [])
+
+
+def _usage(turns: list[Turn], discarded: list[Turn] | None = None) -> UsageInfo:
+    """OpenAI counts the prompt once for ``n`` choices and sums the completions; the completions
+    of discarded re-asks are counted too (they were generated), and broken out."""
     prompt = max((t.usage.prompt_tokens or len(t.prompt_ids or []) for t in turns), default=0)
-    completion = sum(t.usage.completion_tokens or len(t.completion_ids or []) for t in turns)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    thrown = sum(_completion_tokens(t) for t in discarded or [])
+    completion = sum(_completion_tokens(t) for t in turns) + thrown
+    details = CompletionTokensDetails(closedloop_discarded_tokens=thrown) if discarded else None
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     completion_tokens_details=details)
+
+
+def _discarded(client: ModelClient, turn: Turn, req: ChatCompletionRequest) -> DiscardedAttempt:
+    return DiscardedAttempt(finish_reason=_finish_reason(turn), content=_content(turn), tool_calls=_tool_calls(turn),
+                            completion_tokens=_completion_tokens(turn),
+                            token_ids=list(turn.completion_ids) if req.return_token_ids and turn.completion_ids
+                            is not None else None,
+                            logprobs=_logprobs(client, turn) if req.logprobs else None)
 
 
 def _visible_prefix(raw: str, stops: list[str] | None = None) -> str:
@@ -237,25 +261,26 @@ class _Server:
 
     # ----------------------------------------------------------------- generation
 
-    async def one(self, messages: list[_Message], tools, choice, params: SamplingParams) -> Turn:
+    async def one(self, messages: list[_Message], tools, choice, params: SamplingParams) -> tuple[Turn, list[Turn]]:
+        """The reply for one choice, and the replies discarded on the way (re-asks), oldest first."""
         turn = await self.client.generate(messages, tools, params, choice)
-        tries = 0
-        while not self.satisfies(turn, choice) and params.temperature > 0 and tries < self.max_reasks:
-            tries += 1
+        discarded: list[Turn] = []
+        while not self.satisfies(turn, choice) and params.temperature > 0 and len(discarded) < self.max_reasks:
+            discarded.append(turn)
             if params.seed is not None:
-                params = params.model_copy(update={"seed": params.seed + 1000 * tries})
+                params = params.model_copy(update={"seed": params.seed + 1000 * len(discarded)})
             turn = await self.client.generate(messages, tools, params, choice)
-        return turn
+        return turn, discarded
 
     async def complete(self, req: ChatCompletionRequest, messages: list[_Message]) -> ChatCompletion:
         tools, choice = self.tools_for(req)
         try:
-            turns = await asyncio.gather(*(self.one(messages, tools, choice, self.sampling(req, i))
-                                           for i in range(req.n)))
+            results = await asyncio.gather(*(self.one(messages, tools, choice, self.sampling(req, i))
+                                             for i in range(req.n)))
         except Exception as e:  # noqa: BLE001 - mapped to a JSON error, never a bare 500
             raise _model_failure(e) from None
         choices = []
-        for i, turn in enumerate(turns):
+        for i, (turn, discarded) in enumerate(results):
             choices.append(Choice(
                 index=i,
                 message=ResponseMessage(content=_content(turn), tool_calls=_tool_calls(turn),
@@ -263,10 +288,13 @@ class _Server:
                 logprobs=_logprobs(self.client, turn) if req.logprobs else None,
                 finish_reason=_finish_reason(turn),
                 token_ids=list(turn.completion_ids) if req.return_token_ids and turn.completion_ids is not None
-                else None))
+                else None,
+                closedloop_discarded=[_discarded(self.client, t, req) for t in discarded] or None))
+        turns = [turn for turn, _ in results]
+        thrown = [t for _, discarded in results for t in discarded]
         prompt_ids = turns[0].prompt_ids if req.return_token_ids else None
         return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name,
-                              choices=choices, usage=_usage(list(turns)),
+                              choices=choices, usage=_usage(turns, thrown),
                               prompt_token_ids=list(prompt_ids) if prompt_ids is not None else None)
 
     async def stream(self, req: ChatCompletionRequest, messages: list[_Message]) -> AsyncIterator[str]:
@@ -344,7 +372,7 @@ class _Server:
                     extra["prompt_token_ids"] = turn.prompt_ids
                 yield chunk([final_choice], **extra)
             if include_usage:
-                yield chunk([], usage=_usage([t for t in turns if t is not None]).model_dump())
+                yield chunk([], usage=_usage([t for t in turns if t is not None]).model_dump(exclude_none=True))
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:
@@ -398,6 +426,6 @@ def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int 
             return StreamingResponse(server.stream(req, messages), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         result = await server.complete(req, messages)
-        return JSONResponse(result.model_dump(exclude_none=False))
+        return JSONResponse(result.to_wire())
 
     return app

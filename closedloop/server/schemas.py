@@ -176,18 +176,41 @@ class ResponseMessage(BaseModel):
     reasoning_content: str | None = None  # vLLM's name for chain-of-thought split off the content
 
 
+class DiscardedAttempt(BaseModel):
+    """closedloop-specific: a reply the server generated for a choice and then discarded (a
+    re-ask: it did not call the tool that ``tool_choice`` required). Reported so the model calls a
+    response cost are all visible; a client records them as not for training."""
+
+    finish_reason: str
+    content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+    completion_tokens: int
+    token_ids: list[int] | None = None  # with return_token_ids
+    logprobs: ChoiceLogprobs | None = None  # with logprobs
+
+
 class Choice(BaseModel):
     index: int
     message: ResponseMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None  # vLLM, with return_token_ids
+    # closedloop-specific, only present when the server re-asked for this choice, oldest first.
+    closedloop_discarded: list[DiscardedAttempt] | None = None
+
+
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's breakdown of ``completion_tokens``; closedloop adds the re-asks' discarded tokens
+    (counted in ``completion_tokens``, as OpenAI counts reasoning tokens the reply does not show)."""
+
+    closedloop_discarded_tokens: int = 0
 
 
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None  # only present after re-asks
 
 
 class ChatCompletion(BaseModel):
@@ -199,6 +222,17 @@ class ChatCompletion(BaseModel):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # vLLM, with return_token_ids
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON body: OpenAI's fields always (``null`` included, as OpenAI sends them);
+        closedloop's re-ask fields only where a re-ask happened."""
+        body = self.model_dump(exclude_none=False)
+        for choice in body["choices"]:
+            if choice.get("closedloop_discarded") is None:
+                choice.pop("closedloop_discarded", None)
+        if body["usage"].get("completion_tokens_details") is None:
+            body["usage"].pop("completion_tokens_details", None)
+        return body
 
 
 class ModelCard(BaseModel):

@@ -12,6 +12,7 @@ from closedloop.agents.clarifier.reward import (clarification_exchanges, informa
 from closedloop.agents.clarifier.scorer import GoalScorer
 from closedloop.graphs.clarifier import build_clarifier_graph
 from closedloop.messages import AssistantMessage, Trajectory, UserMessage
+from closedloop.models.base import SamplingParams
 from closedloop.models.scripted import ScriptedClient
 
 REQUEST = [UserMessage(content="I want to return an item.")]
@@ -104,12 +105,45 @@ async def test_clarifier_proceeds_when_confident(scorer):
     assert (await graph.ainvoke({"messages": REQUEST}))["scratch"]["decision"] == "proceed"
 
 
-async def test_clarifier_templates_a_question_and_drops_its_tokens_when_the_model_does_not_ask(scorer):
+async def test_clarifier_templates_a_question_and_keeps_the_models_reply_out_of_training(scorer):
     policy = ScriptedClient([AssistantMessage(content="ok")])
     graph = build_clarifier_graph(policy, scorer=scorer, candidates=lambda msgs: GOALS, threshold=0.0)
     out = await graph.ainvoke({"messages": REQUEST})
     assert out["messages"][-1].text.startswith("Could you tell me which you mean")
-    assert out["turns"][-1].completion_ids is None
+    (turn,) = out["turns"]  # the model call, recorded as generated; the template has no turn
+    assert turn.message.text == "ok" and not turn.trainable and turn.purpose == "ask_discarded"
+
+
+async def test_the_goal_proposal_call_is_recorded_and_marked_not_for_training(scorer):
+    """The clarifier's own candidate-proposal call on the policy lands in the turns, in call order,
+    marked trainable=False; the question that follows is the policy's (trainable) action."""
+    policy = ScriptedClient([AssistantMessage(content="\n".join(GOALS)),
+                             AssistantMessage(content="Which item would you like to return?")])
+    graph = build_clarifier_graph(policy, scorer=scorer, threshold=0.0)
+    out = await graph.ainvoke({"messages": REQUEST})
+    assert len(policy.calls) == 2 and set(out["scratch"]["belief"]) == set(GOALS)
+    propose, ask = out["turns"]
+    assert (propose.trainable, propose.purpose) == (False, "propose_goals")
+    assert propose.message.text.splitlines() == GOALS
+    assert (ask.trainable, ask.purpose) == (True, "policy") and ask.message.text.endswith("?")
+
+
+async def test_token_view_of_a_real_clarifier_episode_skips_the_proposal(scorer, tiny_client):
+    """With the real tiny model: the proposal turn carries its tokens (recorded, auditable) but a
+    trainer's token view holds only the policy's turns."""
+    graph = build_clarifier_graph(tiny_client, scorer=scorer, threshold=0.0,
+                                  params=SamplingParams(temperature=0, max_tokens=24))
+    out = await graph.ainvoke({"messages": REQUEST})
+    turns = out["turns"]
+    assert turns[0].purpose == "propose_goals" and not turns[0].trainable and turns[0].completion_ids
+    assert turns[0].logprob_spec is not None and turns[0].logprob_spec.backend == "hf"
+    trainable = {i for i, t in enumerate(turns) if t.trainable}
+    assert trainable, [t.purpose for t in turns]
+    views = Trajectory(messages=out["messages"], turns=turns).token_view()
+    used = {i for v in views for i in v.turn_index if i >= 0}
+    assert used == trainable and 0 not in used
+    everything = Trajectory(messages=out["messages"], turns=turns).token_view(include_untrainable=True)
+    assert 0 in {i for v in everything for i in v.turn_index}
 
 
 def test_clarifier_needs_a_scorer_for_remote_models():

@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from closedloop.messages import AssistantMessage, ToolCall, ToolMessage, UserMessage
+from closedloop.messages import AssistantMessage, LogprobSpec, ToolCall, ToolMessage, UserMessage
 from closedloop.models.base import GenerateRequest, SamplingParams, TextDelta, TurnDone
 from closedloop.models.hf import HFClient
 
@@ -31,13 +31,45 @@ async def test_turn_is_token_exact_and_logprobs_match_a_fresh_forward_pass(tiny_
     assert turn.loss_mask == [0] * len(turn.prompt_ids) + [1] * len(turn.completion_ids)
     recomputed = _recompute_logprobs(tiny_client, turn, 0.8)
     assert max(abs(a - b) for a, b in zip(turn.logprobs, recomputed)) < 1e-4
+    assert turn.logprob_spec == LogprobSpec(mode="tempered", temperature=0.8, top_p=1.0, backend="hf")
     assert turn.latency_s > 0 and turn.finish_reason in {"stop", "tool_calls", "length"}
 
 
 async def test_greedy_logprobs_are_unscaled(tiny_client):
-    turn = await tiny_client.generate([UserMessage(content="Hello!")], None, SamplingParams(temperature=0, max_tokens=12))
+    turn = await tiny_client.generate([UserMessage(content="Hello!")], None,
+                                      SamplingParams(temperature=0, top_p=0.5, max_tokens=12))
     recomputed = _recompute_logprobs(tiny_client, turn, 0)
     assert max(abs(a - b) for a, b in zip(turn.logprobs, recomputed)) < 1e-4
+    # Greedy reads the plain softmax: the spec says so by recording temperature 1 (top_p unused).
+    assert turn.logprob_spec == LogprobSpec(mode="tempered", temperature=1.0, top_p=1.0, backend="hf")
+
+
+async def test_top_p_changes_what_is_drawn_not_the_recorded_logprob(tiny_client, tools):
+    """At temperature 0.7 and top_p 0.9 the recorded value is log_softmax(logits / 0.7) over the
+    full vocabulary (an independent forward pass), not the renormalised top-p distribution."""
+    import torch
+
+    msgs = [UserMessage(content="What is 3 plus 4?")]
+    turns = await tiny_client.generate_many(msgs, [tools["add"]],
+                                            SamplingParams(temperature=0.7, top_p=0.9, seed=21, max_tokens=40), n=3)
+    gaps = []
+    for turn in turns:
+        assert turn.logprob_spec == LogprobSpec(mode="tempered", temperature=0.7, top_p=0.9, backend="hf")
+        assert turn.logprob_spec.comparable_to_tempered()
+        recomputed = _recompute_logprobs(tiny_client, turn, 0.7)
+        assert max(abs(a - b) for a, b in zip(turn.logprobs, recomputed)) < 1e-4
+        # What "processed" (post-top-p, renormalised) logprobs would have been: where top-p cut
+        # tokens they differ, so the comparison above is not vacuous.
+        ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
+        with torch.no_grad():
+            logits = tiny_client.model(input_ids=ids).logits[0, len(turn.prompt_ids) - 1:-1].float() / 0.7
+        probs = torch.softmax(logits, -1)
+        for step, token in enumerate(turn.completion_ids):
+            sorted_p, order = torch.sort(probs[step], descending=True)
+            kept = order[(torch.cumsum(sorted_p, 0) - sorted_p) < 0.9]
+            assert token in kept.tolist(), "a token outside the top-p set was drawn"
+            gaps.append(float(torch.log(probs[step, kept].sum())))
+    assert min(gaps) < -1e-3, "top-p never removed any mass; the test shows nothing"
 
 
 async def test_warmed_up_model_calls_the_add_tool(tiny_client, tools):
@@ -133,12 +165,11 @@ async def test_from_model_wraps_the_live_model_without_copying(tiny_model_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    model.train()
+    model.eval()
     client = HFClient.from_model(model, AutoTokenizer.from_pretrained(tiny_model_path), name="policy")
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=8)
     msgs = [UserMessage(content="Hi")]
     before = await client.generate(msgs, None, params)
-    assert model.training, "the live policy's train mode must be restored after sampling"
     assert client.model is model and before.model == "policy"
     with torch.no_grad():
         model.lm_head.weight.mul_(0.5)  # an optimizer step, in effect
@@ -153,3 +184,57 @@ async def test_bad_request_fails_alone(tiny_client):
                                SamplingParams(max_tokens=3), tool_choice={"type": "function", "function": {"name": "z"}})
     results = await asyncio.gather(good, bad, return_exceptions=True)
     assert results[0].completion_ids and isinstance(results[1], ValueError)
+
+
+async def test_generation_leaves_the_train_mode_of_a_live_policy_alone(tiny_model_path):
+    """A trainer's policy in train mode (dropout > 0) stays in train mode during and after a
+    generation: the client never flips the mode of a module a trainer is using."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attention_dropout=0.3)
+    model.train()
+    modes: list[bool] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: modes.append(mod.training))
+             for m in (model, model.model.layers[0].self_attn)]
+    client = HFClient.from_model(model, AutoTokenizer.from_pretrained(tiny_model_path), name="policy")
+    turns = await client.generate_many([UserMessage(content="Hi")], None, SamplingParams(seed=1, max_tokens=6), n=2)
+    assert all(t.completion_ids for t in turns)
+    assert modes and all(modes), "the model left train mode during generation"
+    assert model.training and model.model.layers[0].self_attn.training
+    for h in hooks:
+        h.remove()
+    await client.aclose()
+
+
+async def test_paused_keeps_generation_out_until_the_block_exits(tiny_model_path):
+    """A generation submitted while a trainer holds ``paused()`` decodes only after the block: no
+    forward pass runs while the (simulated) optimizer step changes the weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    client = HFClient.from_model(model, AutoTokenizer.from_pretrained(tiny_model_path), batch_wait_ms=0)
+    state = {"updating": False}
+    seen: list[bool] = []
+    hook = model.register_forward_pre_hook(lambda mod, args: seen.append(state["updating"]))
+    params = SamplingParams(temperature=0, max_tokens=4)
+    await client.generate([UserMessage(content="Hi")], None, params)  # the worker thread is up
+    seen.clear()
+    with client.paused():
+        state["updating"] = True
+        pending = asyncio.ensure_future(client.generate([UserMessage(content="Hi")], None, params))
+        for _ in range(200):  # until the worker has taken the request and waits on the lock
+            await asyncio.sleep(0.01)
+            if client._batcher._queue.empty():
+                break
+        await asyncio.sleep(0.2)  # ample time to decode if the lock did not hold it back
+        assert not pending.done() and not seen, "a generation decoded inside paused()"
+        with torch.no_grad():
+            model.lm_head.weight.mul_(0.5)  # the optimizer step
+        with client.paused():  # re-entrant
+            pass
+        state["updating"] = False
+    turn = await pending
+    assert seen and not any(seen) and turn.completion_ids
+    hook.remove()
+    await client.aclose()

@@ -131,6 +131,8 @@ def test_required_tool_choice_reasks_only_when_sampling(word_server, word_client
     greedy = chat(word_server, messages=msgs, tools=[WEATHER], tool_choice="required", temperature=0).json()
     assert len(word_client.calls) - before == 1
     assert greedy["choices"][0]["finish_reason"] == "stop"
+    assert "closedloop_discarded" not in greedy["choices"][0]  # nothing re-asked, nothing added
+    assert "completion_tokens_details" not in greedy["usage"]
     before = len(word_client.calls)
     chat(word_server, messages=msgs, tools=[WEATHER], tool_choice="required", temperature=0.7, seed=1)
     assert len(word_client.calls) - before == 3
@@ -140,6 +142,33 @@ def test_required_tool_choice_reasks_only_when_sampling(word_server, word_client
     chat(word_server, messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER],
          tool_choice="required", temperature=0.7)
     assert len(word_client.calls) - before == 1, "a reply that calls a tool is not re-asked"
+
+
+def test_reasks_are_reported_and_counted(word_server, word_client):
+    """The replies a re-ask threw away are not hidden: each choice lists them (with token ids and
+    logprobs when asked for), and usage counts their tokens, broken out."""
+    msgs = [{"role": "user", "content": "just chat"}]
+    body = chat(word_server, messages=msgs, tools=[WEATHER], tool_choice="required", temperature=0.7, seed=3, n=2,
+                logprobs=True, return_token_ids=True).json()
+    thrown = 0
+    for choice in body["choices"]:
+        attempts = choice["closedloop_discarded"]
+        assert len(attempts) == 2  # max_reasks, and the kept reply is the third sample
+        texts = [a["content"] for a in attempts] + [choice["message"]["content"]]
+        assert len(set(texts)) == 3, "each discarded attempt is its own sample"
+        for a in attempts:
+            assert a["finish_reason"] == "stop" and a["tool_calls"] is None
+            assert a["completion_tokens"] == len(a["token_ids"]) == len(a["logprobs"]["content"]) > 0
+            assert bytes(a["token_ids"]).decode() == a["content"]
+            thrown += a["completion_tokens"]
+    usage = body["usage"]
+    kept = sum(len(c["token_ids"]) for c in body["choices"])
+    assert usage["completion_tokens_details"] == {"closedloop_discarded_tokens": thrown}
+    assert usage["completion_tokens"] == kept + thrown
+    assert usage["prompt_tokens"] == len(body["prompt_token_ids"])  # the prompt counts once
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    plain = chat(word_server, messages=msgs, tools=[WEATHER], tool_choice="required", temperature=0.7, seed=3).json()
+    assert plain["choices"][0]["closedloop_discarded"][0].get("token_ids") is None  # only when asked for
 
 
 def test_tool_conversation_round_trip(word_server):
