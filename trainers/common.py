@@ -38,7 +38,14 @@ def make_accelerator(config: TrainConfig) -> Any:
     if AcceleratorState._shared_state and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         if str(AcceleratorState().mixed_precision) != config.mixed_precision:
             AcceleratorState._reset_state(reset_partial_state=True)
-    return Accelerator(mixed_precision=config.mixed_precision)
+    import torch
+
+    # accelerate runs several CPU processes (gloo) only when told the job is on CPU; under
+    # torchrun without an accelerator device, say so, or every rank would train alone.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or \
+        (world > 1 and not torch.cuda.is_available())
+    return Accelerator(mixed_precision=config.mixed_precision, cpu=cpu)
 
 
 def pad_token_id(tokenizer: Any) -> int:
