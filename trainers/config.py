@@ -119,6 +119,11 @@ class TrainConfig(_Strict):
                 raise ValueError(f"report_to: unknown sink(s) {bad}; choose from {list(REPORT_TO_CHOICES)} or 'none'")
         return value
 
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value: Any) -> Any:
+        return "no" if value is False or value is None else value  # YAML 1.1 reads a bare `no` as false
+
     @field_validator("resume", mode="before")
     @classmethod
     def _resume_value(cls, value: Any) -> Any:

@@ -28,6 +28,13 @@ def test_yaml_then_overrides_with_nested_keys(tmp_path):
     assert cfg.model_path == "/models/tiny"
 
 
+def test_yaml_no_is_the_string_no(tmp_path):
+    cfg = load_config(TrainConfig, write(tmp_path, "model: m\noutput_dir: o\nmixed_precision: no\n"),
+                      ["mixed_precision=bf16"])
+    assert cfg.mixed_precision == "bf16"
+    assert load_config(TrainConfig, None, BASE + ["mixed_precision=no"]).mixed_precision == "no"
+
+
 def test_override_creates_a_nested_section():
     cfg = load_config(SFTConfig, None, BASE + ["lora.r=8"])
     assert cfg.lora is not None and cfg.lora.r == 8 and cfg.lora.alpha == LoraSettings().alpha
