@@ -200,8 +200,7 @@ class MetricsReporter:
             self._trackio.log(clean, step=int(step))
         if self._progress is not None:
             self._progress.update(self._task, completed=int(step),
-                                  metrics=format_metrics(clean, [k for k in ("loss", "eval_loss", "reward", "grad_norm",
-                                                                             "lr", "tokens_per_s") if k in clean]))
+                                  metrics=format_metrics(clean, [k for k in ("loss", "reward") if k in clean]))
             self._progress.console.print(f"step {step}: {format_metrics(clean)}", highlight=False)
         return clean
 

@@ -266,13 +266,24 @@ def test_lora_sft_saves_merged_model_and_adapter(tiny_model_path, tmp_path):
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": TOOL_CONV, "tools": [ADD_TOOL]}])
     cfg = sft_config(tiny_model_path, tmp_path, f"dataset={data}", "max_steps=3", "learning_rate=1e-2",
-                     "lora.r=4", "lora.alpha=8", "packing=true", "max_length=512", "per_device_batch_size=1")
+                     "lora.r=4", "lora.alpha=8", "packing=true", "max_length=512", "per_device_batch_size=1",
+                     "gradient_checkpointing=true")
     result = train_sft(cfg)
     assert (result.model_dir / "adapter" / "adapter_config.json").is_file()
     trained, base = _weights(result.model_dir), _weights(tiny_model_path)
     changed = [k for k in base if not torch.equal(trained[k], base[k])]
     assert changed and all(k.endswith("proj.weight") for k in changed)  # only adapted linears moved
     assert HFClient.from_pretrained(result.model_dir).model is not None
+
+
+def test_bf16_mixed_precision_trains(tiny_model_path, tmp_path):
+    from closedloop.trainers.sft import train_sft
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": TOOL_CONV, "tools": [ADD_TOOL]}])
+    result = train_sft(sft_config(tiny_model_path, tmp_path, f"dataset={data}", "max_steps=2", "logging_steps=1",
+                                  "mixed_precision=bf16", "learning_rate=1e-3"))
+    losses = [m["loss"] for _, m in result.history]
+    assert len(losses) == 2 and all(0 < x < 20 for x in losses)
 
 
 def test_cli_end_to_end_with_yaml(tiny_model_path, tmp_path, capsys):
@@ -289,13 +300,15 @@ def test_cli_end_to_end_with_yaml(tiny_model_path, tmp_path, capsys):
                                    "dataset": str(data), "per_device_batch_size": 2, "logging_steps": 1,
                                    "report_to": ["store"], "store": str(tmp_path / "runs.duckdb"), "save_steps": 2,
                                    "save_total_limit": 1, "torch_threads": 1}))
-    assert main(["train", "sft", "--config", str(cfg), "--set", "max_steps=3", "--set", "learning_rate=1e-3"]) == 0
+    assert main(["train", "sft", "--config", str(cfg), "--set", "max_steps=3", "--set", "learning_rate=1e-3",
+                 "--set", "eval_fraction=0.5"]) == 0
     out = capsys.readouterr().out
-    assert "done: 3 steps" in out
+    assert "done: 3 steps" in out and "eval_loss=" in out
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-3"]  # limit 1
     HFClient.from_pretrained(tmp_path / "out")
     (run,) = RunStore(tmp_path / "runs.duckdb").list_runs(kind="train")
     assert run.status == "completed"
-    assert [m["step"] for m in RunStore(tmp_path / "runs.duckdb").metrics(run.id)] == [1, 2, 3]
+    logged = RunStore(tmp_path / "runs.duckdb").metrics(run.id)
+    assert [m["step"] for m in logged] == [1, 2, 3] and "eval_loss" in logged[-1]
     # Bad data is a usage error, exit 2.
     assert main(["train", "sft", "--config", str(cfg), "--set", f"dataset={tmp_path / 'missing.jsonl'}"]) == 2
