@@ -26,8 +26,8 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 __all__ = ["CHECKPOINT_PREFIX", "TrainerState", "list_checkpoints", "latest_checkpoint", "resolve_resume",
-           "save_checkpoint", "load_checkpoint", "save_hf_model", "rotate_checkpoints", "InterruptGuard",
-           "unwrap_model", "rng_state", "set_rng_state", "CheckpointError"]
+           "save_checkpoint", "load_checkpoint", "save_hf_model", "save_final_model", "gather_state_dict",
+           "rotate_checkpoints", "InterruptGuard", "unwrap_model", "rng_state", "set_rng_state", "CheckpointError"]
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
@@ -151,9 +151,23 @@ def merged_state_dict(peft_model: Any) -> dict[str, Any]:
     return merged
 
 
-def save_hf_model(model: Any, tokenizer: Any, directory: str | os.PathLike[str], *, accelerator: Any = None) -> Path:
+def gather_state_dict(model: Any, accelerator: Any = None) -> dict[str, Any] | None:
+    """The full state dict when weights are sharded (FSDP, DeepSpeed): a collective, so every
+    process must call it. None for unsharded models (DDP, one process), which save directly."""
+    if accelerator is None or _is_peft(unwrap_model(model, accelerator)):
+        return None
+    kind = str(getattr(accelerator, "distributed_type", ""))
+    if "FSDP" in kind or "DEEPSPEED" in kind:
+        return accelerator.get_state_dict(model)
+    return None
+
+
+def save_hf_model(model: Any, tokenizer: Any, directory: str | os.PathLike[str], *, accelerator: Any = None,
+                  state_dict: dict[str, Any] | None = None) -> Path:
     """Write ``model`` (merged if it is a LoRA PeftModel, plus its adapter under ``adapter/``) and
-    the tokenizer as a Hugging Face directory. Call on the main process only."""
+    the tokenizer as a Hugging Face directory. Call on the main process only; with sharded
+    weights pass ``state_dict=gather_state_dict(...)`` (gathered on every process), or use
+    :func:`save_final_model`, which does both."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model = unwrap_model(model, accelerator)
@@ -161,6 +175,8 @@ def save_hf_model(model: Any, tokenizer: Any, directory: str | os.PathLike[str],
         base = model.get_base_model()
         base.save_pretrained(directory, state_dict=merged_state_dict(model))
         model.save_pretrained(directory / ADAPTER_DIR)
+    elif state_dict is not None:
+        model.save_pretrained(directory, state_dict=state_dict)
     else:
         model.save_pretrained(directory)
     if tokenizer is not None:
@@ -259,8 +275,9 @@ def save_checkpoint(output_dir: str | os.PathLike[str], state: TrainerState, *, 
         tmp.mkdir(parents=True)
     _barrier(accelerator)
     torch.save(rng_state(), tmp / f"rng_state_{rank}.pt")
+    full = gather_state_dict(model, accelerator)
     if main:
-        save_hf_model(model, tokenizer, tmp, accelerator=accelerator)
+        save_hf_model(model, tokenizer, tmp, accelerator=accelerator, state_dict=full)
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         if scheduler is not None:
@@ -277,6 +294,16 @@ def save_checkpoint(output_dir: str | os.PathLike[str], state: TrainerState, *, 
         rotate_checkpoints(output_dir, save_total_limit)
     _barrier(accelerator)
     return final
+
+
+def save_final_model(model: Any, tokenizer: Any, directory: str | os.PathLike[str], *, accelerator: Any = None) -> Path:
+    """The final model as an HF directory; every process calls it (weights are gathered first
+    when sharded), the main process writes."""
+    full = gather_state_dict(model, accelerator)
+    if _rank(accelerator)[1]:
+        save_hf_model(model, tokenizer, directory, accelerator=accelerator, state_dict=full)
+    _barrier(accelerator)
+    return Path(directory)
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, model: Any, optimizer: Any = None, scheduler: Any = None,

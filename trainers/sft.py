@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from closedloop.trainers.checkpoint import (InterruptGuard, TrainerState, load_checkpoint, resolve_resume,
-                                            save_checkpoint, save_hf_model)
+                                            save_checkpoint, save_final_model)
 from closedloop.trainers.common import (build_optimizer, build_scheduler, load_model_and_tokenizer, make_accelerator,
                                         open_run, pad_token_id)
 from closedloop.trainers.config import SFTConfig, StoreSelection
@@ -249,9 +249,7 @@ def train_sft(config: SFTConfig, trajectories: Iterable[Any] | None = None, *, m
             if not interrupted:
                 if last_ckpt is None or not last_ckpt.name.endswith(f"-{state.step}"):
                     last_ckpt = save(state)
-                if accelerator.is_main_process:
-                    save_hf_model(model, tokenizer, output_dir, accelerator=accelerator)
-                accelerator.wait_for_everyone()
+                save_final_model(model, tokenizer, output_dir, accelerator=accelerator)
         status = "interrupted" if interrupted else "completed"
     except KeyboardInterrupt:
         status = "interrupted"
