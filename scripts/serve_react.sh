@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job, offline: build the tiny model, serve it over HTTP, run the `react` agent graph
+# Interactive serving, offline: build the tiny model, serve it over HTTP, run the `react` agent graph
 # against the server through the openai: backend with the arithmetic tools, print the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -214,12 +214,17 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
     unwrapped = accel.unwrap_model(policy)
     make_env = make_env or make_env_factory(config.env, config.env_options)
     if config.rollout_model:
-        from closedloop.models import make_client
+        from closedloop.trainers.weight_sync import make_rollout_client
 
-        client = make_client(config.rollout_model)
+        client = make_rollout_client(config.rollout_model)
     else:
         client = HFClient.from_model(unwrapped, session.tokenizer, name=f"policy:{config.model_path}",
                                      max_batch_size=config.max_batch_size)
+    from closedloop.trainers.weight_sync import make_weight_sync
+
+    sync = make_weight_sync(client, config, accelerator=accel)  # rollout engine <- trainer weights, each step
+    if session.start_step:  # resumed: the engine starts from the checkpoint's weights
+        sync.push(unwrapped, session.start_step)
     use_is = config.importance_sampling == "on" or (config.importance_sampling == "auto" and bool(config.rollout_model))
     ref_model = None
     if config.beta > 0:
@@ -279,6 +284,7 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
                                 ref_logps=ref, is_weights=is_weights, backward=accel.backward,
                                 clip=session.clip_gradients)
             t_train = time.perf_counter() - t1
+            sync.push(unwrapped, step + 1)
             tokens = float(batch.attention_mask.sum())
             metrics = {**_episode_stats(groups, batch), **m, "rollout_s": t_roll, "train_s": t_train,
                        "step_s": time.perf_counter() - t0, "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
@@ -292,6 +298,7 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
                 session.save(step + 1, interrupted=True)
                 status = "interrupted"
                 break
+    sync.close()
     if status == "completed":
         session.save_final()
     session.finish(status)

@@ -123,16 +123,15 @@ class TrainingSession:
             self.save(step)
 
     def save_final(self) -> Path:
-        """A last resumable checkpoint, and the final model as a plain HF directory
-        (``output_dir/final``) that ``hf:`` and ``closedloop serve`` load."""
+        """A last resumable checkpoint, and the final model as a plain HF directory in
+        ``output_dir`` itself (as SFT does) that ``hf:`` and ``closedloop serve`` load."""
         from closedloop.trainers import checkpoint as ckpt
 
         self.save(self.step)
-        final = self.output_dir / "final"
         if self.is_main:
-            ckpt.save_hf_model(self.model, self.tokenizer, final, accelerator=self.accelerator)
+            ckpt.save_hf_model(self.model, self.tokenizer, self.output_dir, accelerator=self.accelerator)
         self.accelerator.wait_for_everyone()
-        return final
+        return self.output_dir
 
     def finish(self, status: str = "completed") -> None:
         self.reporter.close()

@@ -133,7 +133,7 @@ def test_train_grpo_end_to_end_records_rollouts_metrics_and_a_loadable_model(tin
         for key in ("reward", "rewards/success", "rewards/format", "rewards/turn_cost", "kl", "entropy",
                     "clip_ratio/region_mean", "completion_length_mean", "tokens_per_s", "step_s"):
             assert key in h, key
-    final = HFClient.from_pretrained(tmp_path / "out" / "final")
+    final = HFClient.from_pretrained(tmp_path / "out")
     changed = any(not torch.equal(before[k], v) for k, v in final.model.state_dict().items())
     assert changed
     store = RunStore(store_path)
