@@ -10,7 +10,8 @@ Where the mask comes from, in order of trust:
    the conversation is rendered with the tokenizer's chat template, and the tokens of assistant
    message ``k`` are those the rendering of ``messages[:k+1]`` adds to the rendering of
    ``messages[:k]`` plus the generation prompt, through the first end-of-turn token (what the
-   model would have generated; the template's newline after it is not). This works for any
+   model would have generated; the template's newline after it is not; without an end-of-turn
+   token, through the end of the rendering of ``messages[:k+1]``). This works for any
    template whose rendering is *prefix-stable* (rendering a longer conversation extends the
    rendering of a shorter one, token for token); that property is checked for every assistant
    message and a template that breaks it (e.g. one that drops earlier turns' reasoning) is
@@ -109,8 +110,13 @@ def assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], tools: list[d
         if m.get("role") != "assistant" or k not in wanted:
             continue
         before = _render(tokenizer, messages[:k], tools, True)
-        upto = _render(tokenizer, messages[: k + 1], tools, False)
-        for name, part in (("messages[:k] + generation prompt", before), ("messages[:k+1]", upto)):
+        start = len(before)
+        # The turn ends at the first end-of-turn token after the generation prompt (what the model
+        # emits to stop). Only without one is messages[:k+1] rendered to find where the message ends.
+        end = next((i + 1 for i in range(start, len(full)) if full[i] in eot), None)
+        upto = _render(tokenizer, messages[: k + 1], tools, False) if end is None else None
+        checks = [("messages[:k] + generation prompt", before)] + ([("messages[:k+1]", upto)] if upto is not None else [])
+        for name, part in checks:
             if full[: len(part)] != part:
                 at = next((i for i, (a, b) in enumerate(zip(full, part)) if a != b), min(len(full), len(part)))
                 raise TemplateError(
@@ -119,15 +125,12 @@ def assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], tools: list[d
                     f"{tokenizer.decode(part[max(0, at - 8):at + 8])!r} vs {tokenizer.decode(full[max(0, at - 8):at + 8])!r}). "
                     "Templates that rewrite earlier turns (e.g. dropping reasoning) cannot give an exact mask by "
                     "rendering; train on recorded token trajectories instead, or add {% generation %} markers.")
-        if len(upto) < len(before):
-            raise TemplateError(f"assistant message {k} renders shorter than its prompt; the template is not "
-                                "prefix-stable")
-        end = len(upto)
-        for i in range(len(before), len(upto)):
-            if upto[i] in eot:
-                end = i + 1
-                break
-        for i in range(len(before), end):
+        if upto is not None:
+            if len(upto) < start:
+                raise TemplateError(f"assistant message {k} renders shorter than its prompt; the template is not "
+                                    "prefix-stable")
+            end = len(upto)
+        for i in range(start, end):
             mask[i] = 1
     return mask
 

@@ -121,6 +121,15 @@ def test_template_that_rewrites_history_is_refused(tokenizer):
         encode_conversation(bad, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
 
 
+def test_template_without_end_of_turn_token_masks_the_rendered_message(tokenizer):
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = ("{% for m in messages %}<{{ m.role }}>\n{{ m.content }}\n{% endfor %}"
+                           "{% if add_generation_prompt %}<assistant>\n{% endif %}")
+    ex = encode_conversation(plain, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there"},
+                                     {"role": "user", "content": "bye"}])
+    assert plain.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m]) == "Hello there\n"
+
+
 def test_prompt_completion_rows_and_full_loss(tokenizer):
     from closedloop.trainers.data import examples_from_rows
 
