@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
@@ -92,6 +93,8 @@ def handle(args: argparse.Namespace) -> int:
         print(f"interrupted at step {getattr(result, 'step', '?')}; checkpoint {getattr(result, 'checkpoint', None)}. "
               f"Continue with --set resume=auto", file=sys.stderr)
         return 130
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun / accelerate launch only rank 0 reports
+        return 0
     out = getattr(result, "output_dir", None)
     metrics = getattr(result, "metrics", None) or {}
     summary = " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k in ("loss", "eval_loss", "reward"))
