@@ -2,6 +2,8 @@
 
 Reads go through :class:`~closedloop.store.RunStore`, which opens the file only per operation, so
 these commands work while an evaluation in another process is writing to the same store.
+``runs export --format sft|pairs|groups`` writes training rows through
+:mod:`closedloop.store.export`; ``--parquet DIR`` dumps every table.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from closedloop.store import TERMINAL_STATUSES, RunNotFoundError, RunRecord, RunStore, RunSummary
+from closedloop.store.export import rows_for, write_jsonl
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
@@ -114,23 +117,58 @@ def _show(run: RunRecord, console: Console) -> None:
         console.print(run.error, markup=False)
 
 
+def _show_metrics(metrics: list[dict[str, float]], console: Console) -> None:
+    """One line per metric: how many steps logged it, first, last, min, max."""
+    if not metrics:
+        return
+    series: dict[str, list[float]] = {}
+    for row in metrics:
+        for name, value in row.items():
+            if name != "step":
+                series.setdefault(name, []).append(value)
+    table = Table(title=f"metrics ({len(metrics)} steps, {metrics[0]['step']}..{metrics[-1]['step']})")
+    for col in ("metric", "steps", "first", "last", "min", "max"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for name, values in sorted(series.items()):
+        table.add_row(escape(name), str(len(values)), *(f"{v:.4g}" for v in
+                                                        (values[0], values[-1], min(values), max(values))))
+    console.print(table)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
+    store = _store(args)
     try:
-        run = _store(args).get_run(args.id)
+        run = store.get_run(args.id)
     except RunNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.json:
         print(run.model_dump_json(indent=2))
     else:
-        _show(run, _console())
+        console = _console()
+        _show(run, console)
+        _show_metrics(store.metrics(run.id), console)
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    paths = _store(args).export_parquet(args.parquet)
-    for table, path in paths.items():
-        print(f"{table}: {path}")
+    if args.parquet is not None:
+        if args.format is not None or args.out is not None:
+            print("error: give either --parquet DIR or --format with --out, not both", file=sys.stderr)
+            return 2
+        paths = _store(args).export_parquet(args.parquet)
+        for table, path in paths.items():
+            print(f"{table}: {path}")
+        return 0
+    if args.format is None or args.out is None:
+        print("error: give --format sft|pairs|groups with --out FILE.jsonl (or --parquet DIR)", file=sys.stderr)
+        return 2
+    status = None if args.status == "any" else args.status
+    trajectories = _store(args).iter_trajectories(kind=args.kind, graph=args.graph, tag=args.tag, status=status,
+                                                  min_reward=args.min_reward)
+    options = {"strategy": args.pairs} if args.format == "pairs" else {}
+    count = write_jsonl(rows_for(args.format, trajectories, **options), args.out)
+    print(f"wrote {count} {args.format} row(s) to {args.out}")
     return 0
 
 
@@ -161,8 +199,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     show.add_argument("--json", action="store_true")
     show.set_defaults(func=cmd_show)
 
-    export = runs_sub.add_parser("export", parents=[common], help="write every table as Parquet")
-    export.add_argument("--parquet", required=True, metavar="DIR")
+    export = runs_sub.add_parser("export", parents=[common],
+                                 help="training rows as JSONL (--format), or every table as Parquet (--parquet)")
+    export.add_argument("--parquet", metavar="DIR", help="write one Parquet file per table into DIR")
+    export.add_argument("--format", choices=("sft", "pairs", "groups"),
+                        help="sft: conversations; pairs: preference pairs (same task, different reward); "
+                             "groups: GRPO groups per task")
+    export.add_argument("--out", metavar="FILE.jsonl")
+    export.add_argument("--kind", help="only runs of this kind (train, episode, run, ...)")
+    export.add_argument("--graph")
+    export.add_argument("--tag")
+    export.add_argument("--min-reward", type=float, help="only episodes whose summed rewards reach this")
+    export.add_argument("--status", default="completed", choices=("any", "running") + TERMINAL_STATUSES,
+                        help="only runs with this status (default: completed; 'any' for all)")
+    export.add_argument("--pairs", default="all", choices=("all", "best_worst"),
+                        help="pairs: every pair with different rewards, or best against worst per task")
     export.set_defaults(func=cmd_export)
 
     prune = runs_sub.add_parser("prune", parents=[common], help="delete finished runs older than a duration")

@@ -1,6 +1,15 @@
-"""Bridges a running graph to the run store: what each step adds is written as it happens."""
+"""Bridges a running graph to the run store: what each step adds is queued as it happens.
+
+``record`` runs on the event loop (``run_graph`` calls it per super-step), so it must not touch
+the DuckDB file: it hands the step to :meth:`RunStore.log_step`, which queues it in microseconds;
+the store's background thread commits queued steps within ``flush_interval_s``. ``finish_run``
+(and :meth:`StoreRecorder.flush`) commit whatever is still queued, so a finished run is complete;
+a process killed mid-run loses at most its last interval of steps (see :mod:`closedloop.store.writer`).
+"""
 
 from __future__ import annotations
+
+import asyncio
 
 from closedloop.messages import FunctionCall, ToolCall, Turn, _Message
 from closedloop.runtime.state import ToolRecord
@@ -16,11 +25,15 @@ class StoreRecorder:
         self.run_id = run_id
 
     def record(self, messages: list[_Message], turns: list[Turn], tool_records: list[ToolRecord]) -> None:
-        if messages:
-            self.store.log_messages(self.run_id, messages)
-        for turn in turns:
-            self.store.log_turn(self.run_id, turn)
+        calls = []
         for r in tool_records:
             call = ToolCall(id=r.call_id, function=FunctionCall(name=r.name, arguments=r.arguments))
-            result = ToolResult(r.name, r.content, r.error, r.error_kind, r.latency_s)
-            self.store.log_tool_call(self.run_id, call, result, r.turn_idx)
+            calls.append((call, ToolResult(r.name, r.content, r.error, r.error_kind, r.latency_s), r.turn_idx))
+        self.store.log_step(self.run_id, messages, turns, calls)
+
+    def flush(self) -> None:
+        """Commit what was recorded so far (blocking; from async code use :meth:`aflush`)."""
+        self.store.flush()
+
+    async def aflush(self) -> None:
+        await asyncio.to_thread(self.store.flush)

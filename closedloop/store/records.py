@@ -9,7 +9,8 @@ from pydantic import BaseModel, Field
 
 from closedloop.messages import Message, Trajectory, Turn
 
-__all__ = ["RunStatus", "TERMINAL_STATUSES", "RunSummary", "RunRecord", "ToolCallRecord", "utcnow"]
+__all__ = ["RunStatus", "TERMINAL_STATUSES", "RunSummary", "RunRecord", "ToolCallRecord", "utcnow", "reward_dict",
+           "trajectory_metadata"]
 
 RunStatus = Literal["running", "completed", "failed", "killed", "interrupted"]
 TERMINAL_STATUSES = ("completed", "failed", "killed", "interrupted")
@@ -18,6 +19,37 @@ TERMINAL_STATUSES = ("completed", "failed", "killed", "interrupted")
 def utcnow() -> datetime:
     """Naive UTC: DuckDB's TIMESTAMP has no zone, and TIMESTAMPTZ would follow the session's zone."""
     return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def reward_dict(run_id: str, rewards: Any) -> dict[str, float]:
+    """``outcome["rewards"]`` as named floats (empty when the run has none)."""
+    if not rewards:
+        return {}
+    if not isinstance(rewards, dict):
+        raise ValueError(f"run {run_id}: outcome.rewards must be a mapping of name -> float")
+    return {str(k): float(v) for k, v in rewards.items()}
+
+
+def trajectory_metadata(*, run_id: str, kind: str, graph: str | None, model_spec: str | None, status: str,
+                        tags: list[str], parent_id: str | None, metadata: dict[str, Any],
+                        config_task_id: Any = None, outcome_task_id: Any = None) -> dict[str, Any]:
+    """What a trajectory read back from the store carries in ``metadata``.
+
+    The run's own fields (``run_id``, ``kind``, ``graph``, ``model_spec``, ``status``, ``tags``,
+    ``parent_id``), then the metadata it was recorded with (which wins on a clash, as it always
+    has). ``task_id`` identifies the task for preference pairs and GRPO groups: the recorded
+    ``metadata["task_id"]``, else the run config's ``task_id`` (τ-bench episodes), else the
+    outcome's, else a ``task:<id>`` tag; absent when none is known.
+    """
+    out: dict[str, Any] = {"run_id": run_id, "kind": kind, "graph": graph, "model_spec": model_spec, "status": status,
+                           "tags": list(tags), "parent_id": parent_id, **metadata}
+    if out.get("task_id") is None:
+        task = config_task_id if config_task_id is not None else outcome_task_id
+        if task is None:
+            task = next((t[len("task:"):] for t in tags if t.startswith("task:")), None)
+        if task is not None:
+            out["task_id"] = task
+    return out
 
 
 class RunSummary(BaseModel):
@@ -73,13 +105,15 @@ class RunRecord(RunSummary):
     tool_calls: list[ToolCallRecord] = Field(default_factory=list)
 
     def to_trajectory(self) -> Trajectory:
-        """The run as a trainer sees it: rewards and step rewards come from ``outcome``."""
+        """The run as a trainer sees it: rewards and step rewards come from ``outcome``; ``metadata``
+        is :func:`trajectory_metadata` (run id, kind, graph, parent, task id, recorded metadata)."""
         outcome = self.outcome or {}
-        rewards = outcome.get("rewards") or {}
-        if not isinstance(rewards, dict):
-            raise ValueError(f"run {self.id}: outcome.rewards must be a mapping of name -> float")
         return Trajectory(id=self.id, messages=list(self.messages), turns=list(self.turns),
-                          rewards={str(k): float(v) for k, v in rewards.items()},
+                          rewards=reward_dict(self.id, outcome.get("rewards")),
                           step_rewards=list(outcome.get("step_rewards") or []),
-                          metadata={"kind": self.kind, "graph": self.graph, "model_spec": self.model_spec,
-                                    "status": self.status, "tags": list(self.tags), **self.metadata})
+                          metadata=trajectory_metadata(run_id=self.id, kind=self.kind, graph=self.graph,
+                                                       model_spec=self.model_spec, status=self.status,
+                                                       tags=self.tags, parent_id=self.parent_id,
+                                                       metadata=self.metadata,
+                                                       config_task_id=self.config.get("task_id"),
+                                                       outcome_task_id=outcome.get("task_id")))

@@ -13,7 +13,8 @@ import duckdb
 
 from closedloop.store.records import utcnow
 
-__all__ = ["SCHEMA_VERSION", "MIGRATIONS", "TABLES", "StoreVersionError", "migrate", "current_version"]
+__all__ = ["SCHEMA_VERSION", "MIGRATIONS", "TABLES", "TURN_COLUMNS", "MESSAGE_COLUMNS", "TOOL_CALL_COLUMNS",
+           "METRIC_COLUMNS", "StoreVersionError", "migrate", "current_version"]
 
 
 class StoreVersionError(RuntimeError):
@@ -90,8 +91,38 @@ def _v0_to_v1(con: duckdb.DuckDBPyConnection) -> None:
         con.execute(stmt)
 
 
-MIGRATIONS: list[Callable[[duckdb.DuckDBPyConnection], None]] = [_v0_to_v1]
-TABLES = ("runs", "messages", "turns", "tool_calls")
+def _v1_to_v2(con: duckdb.DuckDBPyConnection) -> None:
+    """Trainer-grade turns and per-step metrics.
+
+    A turn now says how its logprobs were computed (``logprob_spec``), whether a trainer may use it
+    (``trainable``, ``purpose``) and what its backend could not give (``unavailable``). Turns of an
+    older file get the defaults ``Turn`` itself has (trainable policy turns, spec unknown), which is
+    what they were. ``metrics`` is long-format (one row per run, step and name) so trainers can add
+    a new metric without a migration.
+    """
+    con.execute("ALTER TABLE turns ADD COLUMN logprob_spec JSON")
+    con.execute("ALTER TABLE turns ADD COLUMN trainable BOOLEAN DEFAULT true")
+    con.execute("ALTER TABLE turns ADD COLUMN purpose VARCHAR DEFAULT 'policy'")
+    con.execute("ALTER TABLE turns ADD COLUMN unavailable JSON")
+    con.execute("""CREATE TABLE IF NOT EXISTS metrics (
+        run_id VARCHAR NOT NULL,
+        step BIGINT NOT NULL,
+        name VARCHAR NOT NULL,
+        value DOUBLE,
+        created_at TIMESTAMP NOT NULL
+    )""")
+
+
+MIGRATIONS: list[Callable[[duckdb.DuckDBPyConnection], None]] = [_v0_to_v1, _v1_to_v2]
+TABLES = ("runs", "messages", "turns", "tool_calls", "metrics")
+# Column order of ``turns`` after every migration (inserts name their columns, never rely on position).
+TURN_COLUMNS = ("run_id", "idx", "model", "message", "prompt_ids", "completion_ids", "logprobs", "loss_mask",
+                "completion_text", "finish_reason", "prompt_tokens", "completion_tokens", "cost_usd", "latency_s",
+                "created_at", "logprob_spec", "trainable", "purpose", "unavailable")
+MESSAGE_COLUMNS = ("run_id", "idx", "role", "json")
+TOOL_CALL_COLUMNS = ("run_id", "idx", "turn_idx", "call_id", "name", "arguments", "result", "error", "error_kind",
+                     "latency_s", "created_at")
+METRIC_COLUMNS = ("run_id", "step", "name", "value", "created_at")
 
 
 def _schema_version() -> int:

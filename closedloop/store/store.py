@@ -5,34 +5,61 @@ between operations: each logical write opens a connection, runs inside BEGIN/COM
 Another process (``closedloop runs list`` next to a running eval) then gets its turn between
 writes; a connection that finds the file locked retries with backoff until ``lock_timeout_s``.
 A crash mid-write loses only the uncommitted transaction, never leaves half of one.
+
+Opening the file costs tens of milliseconds, so there are three ways to write, by cost:
+
+- synchronous (``log_messages``, ``log_turn``, ``log_tool_call``, ``log_metrics``): one
+  connection and one transaction per call, committed when the call returns. Simple, and what
+  scripts and tests use; too slow to call per step from an event loop.
+- queued (``log_step``, used by :class:`~closedloop.runtime.recording.StoreRecorder`): appended
+  to an in-process queue in microseconds and committed by a background thread in one
+  transaction per ``flush_interval_s`` (see :mod:`closedloop.store.writer` for the trade-off: a
+  SIGKILLed process loses at most its last interval; ``finish_run``, ``close``, any synchronous
+  call on the same store and interpreter exit flush first, so a finished run is complete).
+- bulk (``record_trajectory``, ``record_trajectories``): finished episodes, written with their
+  run rows in one transaction, one vectorised insert per table (:mod:`closedloop.store.batch`).
+  A finished episode is either all there or not there at all.
+
+Reading many trajectories back (``iter_trajectories``) is one query for the matching runs plus one
+connection per ``batch_size`` runs, never one file open per run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import json
+import math
 import os
 import random
+import threading
 import time
 import traceback
 import warnings
+import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import duckdb
 from pydantic import BaseModel
 
 import closedloop
 from closedloop.config import default_store_path
-from closedloop.messages import AssistantMessage, ToolCall, Trajectory, Turn, Usage, _Message, parse_messages
+from closedloop.messages import (AssistantMessage, LogprobSpec, ToolCall, Trajectory, Turn, Usage, _Message,
+                                 parse_messages)
 from closedloop.store import pricing
+from closedloop.store.batch import (PreparedToolCall, PreparedTurn, Pricer, Rows, ensure_arrow, prepare_episode,
+                                    prepare_message, prepare_tool_call, prepare_turn, turn_row)
 from closedloop.store.process import hostname, pid_alive, process_start
-from closedloop.store.records import (TERMINAL_STATUSES, RunRecord, RunSummary, ToolCallRecord, utcnow)
-from closedloop.store.redact import _env_secrets, redact, redact_arguments, redact_message, redact_text
-from closedloop.store.schema import TABLES, migrate
+from closedloop.store.records import (TERMINAL_STATUSES, RunRecord, RunSummary, ToolCallRecord, reward_dict,
+                                      trajectory_metadata, utcnow)
+from closedloop.store.redact import _env_secrets, redact, redact_text
+from closedloop.store.schema import TABLES, TURN_COLUMNS, migrate
+from closedloop.store.writer import BackgroundWriter
 from closedloop.tool import ToolResult
 
 __all__ = ["RunStore", "ActiveRun", "RunNotFoundError", "RunStateError", "StoreBusyError"]
@@ -92,16 +119,23 @@ class RunStore:
     """Runs, messages, turns and tool calls in one DuckDB file (or ``":memory:"`` for tests).
 
     ``price_fn(model, prompt_tokens, completion_tokens) -> usd | None`` prices turns whose usage
-    has no cost; the default uses :mod:`closedloop.store.pricing`.
+    has no cost; the default uses :mod:`closedloop.store.pricing`. ``flush_interval_s`` bounds how
+    long a queued write (:meth:`log_step`) waits before its batch is committed.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, lock_timeout_s: float = 15.0,
-                 price_fn: pricing.PriceFn | None = None, detect_killed: bool = True) -> None:
+                 price_fn: pricing.PriceFn | None = None, detect_killed: bool = True,
+                 flush_interval_s: float = 0.1) -> None:
         if lock_timeout_s < 0:
             raise ValueError("lock_timeout_s must be >= 0")
+        if not (flush_interval_s >= 0 and math.isfinite(flush_interval_s)):
+            raise ValueError("flush_interval_s must be a finite number >= 0")
         self.lock_timeout_s = lock_timeout_s
         self.price_fn = price_fn or pricing.cost_usd
         self.detect_killed = detect_killed
+        self.flush_interval_s = flush_interval_s
+        self._writer: BackgroundWriter | None = None
+        self._queued_errors: list[BaseException] = []
         self._memory: duckdb.DuckDBPyConnection | None = None
         if str(path) == ":memory:":
             self.path: Path | str = ":memory:"
@@ -212,6 +246,7 @@ class RunStore:
         if out is not None and not isinstance(out, dict):
             raise TypeError("outcome must be a mapping, e.g. {'answer': ..., 'rewards': {...}}")
         err = _format_error(error)
+        self._flush_pending()  # everything the run queued lands before it is marked finished
         self._tx(lambda con: self._write_finish(con, run_id, status, out, err))
 
     def _write_finish(self, con: duckdb.DuckDBPyConnection, run_id: str, status: str, out: dict[str, Any] | None,
@@ -242,8 +277,8 @@ class RunStore:
         """Append messages (or, with ``replace``, rewrite the run's message list); returns the count."""
         typed = parse_messages(list(messages))
         secrets = _env_secrets()
-        rows = [(m.role, json.dumps(redact_message(m.model_dump(mode="json", exclude_none=True), secrets)))
-                for m in typed]
+        rows = [prepare_message(m, secrets) for m in typed]
+        self._flush_pending()
         return self._tx(lambda con: self._write_messages(con, run_id, rows, replace))
 
     def _write_messages(self, con: duckdb.DuckDBPyConnection, run_id: str, rows: list[tuple[str, str]],
@@ -261,33 +296,31 @@ class RunStore:
         """Record one model call token-exactly; adds its usage and cost to the run. Returns its index."""
         if not isinstance(turn, Turn):
             raise TypeError(f"log_turn takes a closedloop.messages.Turn, got {type(turn).__name__}")
-        prepared = _prepare_turn(turn, _env_secrets())
-        return self._tx(lambda con: self._write_turn(con, run_id, turn, prepared))
+        prepared = prepare_turn(turn, _env_secrets())
+        self._flush_pending()
+        return self._tx(lambda con: self._write_turn(con, run_id, prepared))
 
-    def _write_turn(self, con: duckdb.DuckDBPyConnection, run_id: str, turn: Turn,
-                    prepared: tuple[str, str | None, int, int]) -> int:
-        message, text, prompt_tokens, completion_tokens = prepared
+    def _price(self, turn: PreparedTurn, model_spec: str | None,
+               price_fn: Callable[[str, int, int], float | None] | None = None) -> float | None:
+        if turn.cost_usd is not None:
+            return turn.cost_usd
+        return (price_fn or self.price_fn)(turn.model or model_spec or "", turn.prompt_tokens, turn.completion_tokens)
+
+    def _write_turn(self, con: duckdb.DuckDBPyConnection, run_id: str, prepared: PreparedTurn) -> int:
         model_spec = self._require_running(con, run_id)
-        cost = turn.usage.cost_usd
-        if cost is None:
-            cost = self.price_fn(turn.model or model_spec or "", prompt_tokens, completion_tokens)
+        cost = self._price(prepared, model_spec)
         idx = _next_idx(con, "turns", run_id)
         now = utcnow()
-        con.execute("INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [run_id, idx, turn.model, message, turn.prompt_ids, turn.completion_ids,
-                     turn.logprobs, turn.loss_mask, text, turn.finish_reason, prompt_tokens,
-                     completion_tokens, cost, turn.latency_s, now])
+        con.execute(_INSERT_TURN, turn_row(run_id, idx, prepared, cost, now))
         con.execute("UPDATE runs SET prompt_tokens = prompt_tokens + ?, completion_tokens = completion_tokens + ?, "
                     "cost_usd = CASE WHEN ?::DOUBLE IS NULL THEN cost_usd ELSE coalesce(cost_usd, 0) + ?::DOUBLE END, "
-                    "updated_at = ? WHERE id = ?", [prompt_tokens, completion_tokens, cost, cost, now, run_id])
+                    "updated_at = ? WHERE id = ?",
+                    [prepared.prompt_tokens, prepared.completion_tokens, cost, cost, now, run_id])
         return idx
 
     def log_tool_call(self, run_id: str, call: ToolCall, result: ToolResult, turn_idx: int | None = None) -> int:
         """Record a tool call and what it returned; ``turn_idx`` defaults to the latest turn."""
-        secrets = _env_secrets()
-        args = redact_arguments(call.function.arguments, env_secrets=secrets)
-        content = redact_text(result.content, key_values=False, env_secrets=secrets)
-        error = redact_text(result.error, env_secrets=secrets) if result.error else None
+        p = _prepare_call(call, result, _env_secrets())
 
         def write(con: duckdb.DuckDBPyConnection) -> int:
             self._require_running(con, run_id)
@@ -297,12 +330,168 @@ class RunStore:
             idx = _next_idx(con, "tool_calls", run_id)
             now = utcnow()
             con.execute("INSERT INTO tool_calls VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        [run_id, idx, t_idx, call.id, call.name, args, content, error, result.error_kind,
-                         result.latency_s, now])
+                        [run_id, idx, t_idx, p.call_id, p.name, p.arguments, p.result, p.error, p.error_kind,
+                         p.latency_s, now])
             con.execute("UPDATE runs SET updated_at = ? WHERE id = ?", [now, run_id])
             return idx
 
+        self._flush_pending()
         return self._tx(write)
+
+    # ------------------------------------------------------------------ queued writes
+
+    def log_step(self, run_id: str, messages: Sequence[_Message | dict[str, Any]] = (), turns: Sequence[Turn] = (),
+                 tool_calls: Sequence[tuple[ToolCall, ToolResult, int | None]] = (), *, replace: bool = False) -> None:
+        """Queue what one graph step added; returns at once (microseconds), never touching the file.
+
+        A background thread commits queued steps in order, one transaction per
+        ``flush_interval_s``. The objects are serialised on that thread: do not mutate them after
+        the call. Errors (the run is not running, a store problem) cannot be raised here; they are
+        warned about and raised by the next :meth:`flush`. ``tool_calls`` are ``(call, result,
+        turn_idx)``; ``turn_idx=None`` means the run's latest turn at that point.
+        """
+        if any(not isinstance(m, _Message) for m in messages):
+            messages = parse_messages(list(messages))
+        for t in turns:
+            if not isinstance(t, Turn):
+                raise TypeError(f"log_step takes closedloop.messages.Turn objects, got {type(t).__name__}")
+        if messages or turns or tool_calls or replace:
+            self._enqueue(_Step(run_id, list(messages), list(turns), list(tool_calls), [], replace))
+
+    def flush(self) -> None:
+        """Commit every queued write now; then raise the first queued write that failed since the
+        last ``flush`` (a :class:`RunStateError` for a step logged to a finished run, say)."""
+        self._flush_pending()
+        if self._queued_errors:
+            errors, self._queued_errors = self._queued_errors, []
+            more = f" ({len(errors) - 1} more queued write(s) failed too)" if len(errors) > 1 else ""
+            raise type(errors[0])(f"{errors[0]}{more}") from errors[0]
+
+    def _enqueue(self, step: "_Step") -> None:
+        if self._writer is None:
+            self._writer = BackgroundWriter(self._write_steps, interval_s=self.flush_interval_s,
+                                            name=f"closedloop-store-writer:{self.path}", retryable=(StoreBusyError,))
+            # Big batches go through Arrow; importing it takes a second, so it happens on its own
+            # thread while small batches are written without it (see batch.ensure_arrow).
+            threading.Thread(target=ensure_arrow, name="closedloop-arrow-import", daemon=True).start()
+            _open_stores.add(self)
+        self._writer.submit(step)
+
+    def _flush_pending(self) -> None:
+        """Read-your-writes and ordering: queued steps commit before any direct write or read."""
+        writer = self._writer
+        if writer is not None and (writer.pending or writer.errors):
+            writer.flush()
+            self._queued_errors.extend(writer.errors)
+            writer.errors.clear()
+
+    def _write_steps(self, steps: list["_Step"]) -> None:
+        """One transaction for a batch of queued steps, possibly of several runs."""
+        secrets = _env_secrets()
+        prepared = [(s, *prepare_episode(s.messages, s.turns, secrets),
+                     [(_prepare_call(c, r, secrets), i) for c, r, i in s.tool_calls]) for s in steps]
+        failed: dict[str, BaseException] = {}
+
+        def write(con: duckdb.DuckDBPyConnection) -> None:
+            failed.clear()
+            ids = sorted({s.run_id for s in steps})
+            state = {r[0]: (r[1], r[2]) for r in con.execute(
+                "SELECT id, status, model_spec FROM runs WHERE list_contains(?, id)", [ids]).fetchall()}
+            live = [i for i in ids if state.get(i, ("",))[0] == "running"]
+            nxt = {t: _next_indices(con, t, live) for t in ("messages", "turns", "tool_calls")}
+            rows, now, pricer = Rows(), utcnow(), Pricer(self.price_fn)
+            totals: dict[str, list[Any]] = {}
+            for step, messages, turns, calls in prepared:
+                rid = step.run_id
+                if rid not in nxt["turns"]:
+                    if rid not in failed:
+                        failed[rid] = (RunNotFoundError(f"no run with id {rid!r}") if rid not in state else
+                                       RunStateError(f"run {rid} is {state[rid][0]}; only running runs can be written to"))
+                    continue
+                tot = totals.setdefault(rid, [0, 0, None])
+                if step.replace:
+                    con.execute("DELETE FROM messages WHERE run_id = ?", [rid])
+                    rows.drop_run("messages", rid)
+                    nxt["messages"][rid] = 0
+                for role, js in messages:
+                    rows.add("messages", (rid, _take(nxt["messages"], rid), role, js))
+                for t in turns:
+                    cost = self._price(t, state[rid][1], pricer)
+                    rows.add("turns", turn_row(rid, _take(nxt["turns"], rid), t, cost, now))
+                    tot[0] += t.prompt_tokens
+                    tot[1] += t.completion_tokens
+                    if cost is not None:
+                        tot[2] = (tot[2] or 0.0) + cost
+                for c, turn_idx in calls:
+                    t_idx = turn_idx if turn_idx is not None else (nxt["turns"][rid] - 1 if nxt["turns"][rid] else None)
+                    rows.add("tool_calls", (rid, _take(nxt["tool_calls"], rid), t_idx, c.call_id, c.name, c.arguments,
+                                            c.result, c.error, c.error_kind, c.latency_s, now))
+                for step_no, name, value in step.metrics:
+                    rows.add("metrics", (rid, step_no, name, value, now))
+            rows.insert(con)
+            if totals:
+                con.execute("UPDATE runs SET prompt_tokens = runs.prompt_tokens + d.p, "
+                            "completion_tokens = runs.completion_tokens + d.c, "
+                            "cost_usd = CASE WHEN d.cost IS NULL THEN runs.cost_usd "
+                            "ELSE coalesce(runs.cost_usd, 0) + d.cost END, updated_at = ? "
+                            "FROM (SELECT unnest(?::VARCHAR[]) AS id, unnest(?::BIGINT[]) AS p, unnest(?::BIGINT[]) AS c, "
+                            "unnest(?::DOUBLE[]) AS cost) AS d WHERE runs.id = d.id",
+                            [now, list(totals), [v[0] for v in totals.values()], [v[1] for v in totals.values()],
+                             [v[2] for v in totals.values()]])
+
+        self._tx(write)
+        for rid, error in failed.items():
+            warnings.warn(f"run store: queued writes for run {rid} were dropped: {error}", RuntimeWarning, stacklevel=2)
+            if self._writer is not None:
+                self._writer.errors.append(error)
+
+    # ------------------------------------------------------------------ metrics
+
+    def log_metrics(self, run_id: str, step: int | Iterable[tuple[int, Mapping[str, float]]],
+                    metrics: Mapping[str, float] | None = None, *, wait: bool = True) -> int:
+        """Record named scalar metrics of a training step: ``log_metrics(id, 3, {"loss": 0.4, "kl": 0.01})``,
+        or many steps at once: ``log_metrics(id, [(3, {...}), (4, {...})])`` (one transaction).
+
+        ``wait=False`` queues them like :meth:`log_step` instead of committing before returning.
+        Returns the number of values recorded. Logging the same name twice for a step keeps both
+        rows; :meth:`metrics` shows the later one.
+        """
+        if metrics is not None:
+            entries = _metric_entries([(step, metrics)])
+        elif isinstance(step, int):
+            raise TypeError("log_metrics(run_id, step, metrics): metrics is missing")
+        else:
+            entries = _metric_entries(step)
+        if not wait:
+            self._enqueue(_Step(run_id, [], [], [], entries, False))
+            return len(entries)
+
+        def write(con: duckdb.DuckDBPyConnection) -> int:
+            self._require_running(con, run_id)
+            now = utcnow()
+            rows = Rows()
+            for step_no, name, value in entries:
+                rows.add("metrics", (run_id, step_no, name, value, now))
+            rows.insert(con)
+            con.execute("UPDATE runs SET updated_at = ? WHERE id = ?", [now, run_id])
+            return len(entries)
+
+        self._flush_pending()
+        return self._tx(write)
+
+    def metrics(self, run_id: str) -> list[dict[str, float]]:
+        """Per-step metrics of a run, oldest step first: ``[{"step": 0, "loss": ..., ...}, ...]``."""
+        self._flush_pending()
+
+        def read(con: duckdb.DuckDBPyConnection) -> list[tuple[int, str, float]]:
+            full = _resolve(con, run_id)
+            return con.execute("SELECT step, name, value FROM metrics WHERE run_id = ? "
+                               "ORDER BY step, created_at, rowid", [full]).fetchall()
+
+        by_step: dict[int, dict[str, Any]] = {}
+        for step_no, name, value in self._tx(read):
+            by_step.setdefault(step_no, {"step": step_no})[name] = value
+        return list(by_step.values())
 
     def record_trajectory(self, trajectory: Trajectory, *, kind: str = "train", status: str = "completed",
                           graph: str | None = None, model_spec: str | None = None, config: Any = None,
@@ -314,30 +503,82 @@ class RunStore:
         One connection for the whole episode instead of one per turn: the cheap path for trainers
         that log hundreds of rollouts, and for evaluations that must never leave half an episode.
         ``started_at`` (naive UTC) records when the episode really began, so durations are real.
+        The run's outcome is ``{"rewards": trajectory.rewards, "step_rewards": ..., **outcome}``.
         """
-        if status not in TERMINAL_STATUSES:
-            raise ValueError(f"status must be one of {TERMINAL_STATUSES}, got {status!r}")
+        spec = _EpisodeSpec(trajectory, outcome, started_at, error)
+        return self._record(_RunDefaults(kind, status, graph, model_spec, config, tags, parent_id), [spec])[0]
+
+    def record_trajectories(self, trajectories: Sequence[Trajectory], *, kind: str = "train",
+                            status: str = "completed", graph: str | None = None, model_spec: str | None = None,
+                            config: Any = None, tags: Sequence[str] | None = None, parent_id: str | None = None,
+                            outcomes: Sequence[Mapping[str, Any] | None] | None = None) -> list[str]:
+        """Store many finished trajectories (one run each, ids = trajectory ids) in ONE transaction.
+
+        All or nothing: if any id already exists, nothing is written. Run rows, messages and turns
+        go in with one vectorised insert per table, so a rollout batch of thousands of turns costs
+        one file open and a few statements. ``outcomes[i]`` is merged into trajectory ``i``'s outcome.
+        """
+        trajectories = list(trajectories)
+        if outcomes is not None and len(outcomes) != len(trajectories):
+            raise ValueError(f"outcomes has {len(outcomes)} entries for {len(trajectories)} trajectories")
+        specs = [_EpisodeSpec(t, outcomes[i] if outcomes is not None else None, None, None)
+                 for i, t in enumerate(trajectories)]
+        return self._record(_RunDefaults(kind, status, graph, model_spec, config, tags, parent_id), specs)
+
+    def _record(self, defaults: "_RunDefaults", specs: list["_EpisodeSpec"]) -> list[str]:
+        if defaults.status not in TERMINAL_STATUSES:
+            raise ValueError(f"status must be one of {TERMINAL_STATUSES}, got {defaults.status!r}")
+        if not defaults.kind or not isinstance(defaults.kind, str):
+            raise ValueError("kind must be a non-empty string such as 'run', 'eval' or 'train'")
+        for spec in specs:
+            if not isinstance(spec.trajectory, Trajectory):
+                raise TypeError(f"expected closedloop.messages.Trajectory, got {type(spec.trajectory).__name__}")
+        ids = [s.trajectory.id for s in specs]
+        if len(set(ids)) != len(ids):
+            dup = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(f"trajectory ids repeat within the batch: {', '.join(dup[:5])}")
+        if not specs:
+            return []
+        ensure_arrow()  # vectorised inserts (the first call imports pyarrow)
         secrets = _env_secrets()
-        cfg = redact(_jsonable(config) or {}, env_secrets=secrets)
-        meta = redact(_jsonable(trajectory.metadata) or {}, env_secrets=secrets)
-        rows = [(m.role, json.dumps(redact_message(m.model_dump(mode="json", exclude_none=True), secrets)))
-                for m in trajectory.messages]
-        turns = [(t, _prepare_turn(t, secrets)) for t in trajectory.turns]
-        out = redact({"rewards": trajectory.rewards,
-                      **({"step_rewards": trajectory.step_rewards} if trajectory.step_rewards else {}),
-                      **(_jsonable(outcome) or {})}, keys=False, key_values=False, env_secrets=secrets)
+        cfg = _dumps(redact(_jsonable(defaults.config) or {}, env_secrets=secrets))
+        tags = list(defaults.tags or [])
+        pid, host = os.getpid(), hostname()
+        proc = process_start(pid)
+        version = closedloop.__version__
+        prepared = []
+        for spec in specs:
+            traj = spec.trajectory
+            meta = redact(_jsonable(traj.metadata) or {}, env_secrets=secrets)
+            out = redact({"rewards": traj.rewards,
+                          **({"step_rewards": traj.step_rewards} if traj.step_rewards else {}),
+                          **(_jsonable(spec.outcome) or {})}, keys=False, key_values=False, env_secrets=secrets)
+            prepared.append((traj.id, _dumps(meta), _dumps(out), _format_error(spec.error), spec.started_at,
+                             *prepare_episode(traj.messages, traj.turns, secrets)))
 
-        err = _format_error(error)
-
-        def write(con: duckdb.DuckDBPyConnection) -> str:
-            self._insert_run(con, trajectory.id, kind, graph, model_spec, cfg, tags, meta, parent_id)
-            self._write_messages(con, trajectory.id, rows, False)
-            for turn, prepared in turns:
-                self._write_turn(con, trajectory.id, turn, prepared)
-            self._write_finish(con, trajectory.id, status, out, err)
-            if started_at is not None:
-                con.execute("UPDATE runs SET started_at = ? WHERE id = ?", [started_at, trajectory.id])
-            return trajectory.id
+        def write(con: duckdb.DuckDBPyConnection) -> list[str]:
+            taken = con.execute("SELECT id FROM runs WHERE list_contains(?, id) LIMIT 5", [ids]).fetchall()
+            if taken:
+                raise RunStateError(f"a run with id {taken[0][0]!r} already exists"
+                                    + (f" (and {len(taken) - 1} more)" if len(taken) > 1 else ""))
+            rows, now, pricer = Rows(), utcnow(), Pricer(self.price_fn)
+            for run_id, meta, out, err, started, messages, turns in prepared:
+                for i, (role, js) in enumerate(messages):
+                    rows.add("messages", (run_id, i, role, js))
+                p_tok = c_tok = 0
+                cost: float | None = None
+                for i, t in enumerate(turns):
+                    c = self._price(t, defaults.model_spec, pricer)
+                    rows.add("turns", turn_row(run_id, i, t, c, now))
+                    p_tok += t.prompt_tokens
+                    c_tok += t.completion_tokens
+                    if c is not None:
+                        cost = (cost or 0.0) + c
+                rows.add("runs", (run_id, defaults.kind, defaults.graph, defaults.model_spec, cfg, defaults.status,
+                                  pid, host, proc, defaults.parent_id, version, started or now, now, now, out, err,
+                                  p_tok, c_tok, cost, tags, meta))
+            rows.insert(con)
+            return ids
 
         return self._tx(write)
 
@@ -371,6 +612,7 @@ class RunStore:
 
     def get_run(self, run_id: str) -> RunRecord:
         """The run with its messages, turns and tool calls; accepts a unique id prefix."""
+        self._flush_pending()
 
         def read(con: duckdb.DuckDBPyConnection) -> RunRecord:
             self._reap(con)
@@ -379,9 +621,7 @@ class RunStore:
             msgs = [json.loads(r[0]) for r in con.execute(
                 "SELECT json FROM messages WHERE run_id = ? ORDER BY idx", [full]).fetchall()]
             turns = [_turn_from_row(r) for r in con.execute(
-                "SELECT model, message, prompt_ids, completion_ids, logprobs, loss_mask, completion_text, "
-                "finish_reason, prompt_tokens, completion_tokens, cost_usd, latency_s FROM turns "
-                "WHERE run_id = ? ORDER BY idx", [full]).fetchall()]
+                f"SELECT {_TURN_READ} FROM turns WHERE run_id = ? ORDER BY idx", [full]).fetchall()]
             cur = con.execute("SELECT idx, turn_idx, call_id, name, arguments, result, error, error_kind, latency_s "
                               "FROM tool_calls WHERE run_id = ? ORDER BY idx", [full])
             cols = [d[0] for d in cur.description]
@@ -391,7 +631,85 @@ class RunStore:
         return self._tx(read)
 
     def load_trajectory(self, run_id: str) -> Trajectory:
+        """The run as a trainer sees it (see :meth:`RunRecord.to_trajectory`)."""
         return self.get_run(run_id).to_trajectory()
+
+    def iter_trajectories(self, *, kind: str | None = None, graph: str | None = None, tag: str | None = None,
+                          metadata: Mapping[str, Any] | None = None, status: str | None = None,
+                          min_reward: float | None = None, parent_id: str | None = None,
+                          model_spec: str | None = None, limit: int | None = None,
+                          batch_size: int = 256) -> Iterator[Trajectory]:
+        """Trajectories of every matching run, oldest first, read in batches.
+
+        One query selects the runs (filters on the run row; ``metadata`` keeps runs whose metadata
+        has all of these key/value pairs; ``min_reward`` keeps runs whose summed outcome rewards are
+        at least that, runs without rewards never). Then each batch of ``batch_size`` runs costs one
+        connection and two queries (messages, turns), released before the batch is yielded, so a
+        slow consumer never holds the file. Each trajectory equals ``load_trajectory(id)``: rewards
+        and step rewards from the run's outcome, ``metadata`` with ``run_id``, ``kind``, ``graph``,
+        ``parent_id``, ... and ``task_id`` (see :func:`closedloop.store.records.trajectory_metadata`).
+        """
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if limit is not None and limit < 0:
+            raise ValueError("limit must be >= 0")
+        if status is not None and status not in ("running",) + TERMINAL_STATUSES:
+            raise ValueError(f"status must be one of {('running',) + TERMINAL_STATUSES}, got {status!r}")
+        where, params = [], []
+        for column, value in (("status", status), ("graph", graph), ("kind", kind), ("parent_id", parent_id),
+                              ("model_spec", model_spec)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if tag is not None:
+            where.append("list_contains(tags, ?)")
+            params.append(tag)
+        want = dict(_jsonable(metadata) or {})
+        self._flush_pending()
+
+        def heads(con: duckdb.DuckDBPyConnection) -> list[tuple[Any, ...]]:
+            self._reap(con)
+            return con.execute(
+                "SELECT id, kind, graph, model_spec, status, parent_id, tags, metadata, "
+                "json_extract(config, '$.task_id'), json_extract(outcome, '$.task_id'), "
+                "json_extract(outcome, '$.rewards'), json_extract(outcome, '$.step_rewards') FROM runs "
+                + ("WHERE " + " AND ".join(where) if where else "") + " ORDER BY started_at, rowid", params).fetchall()
+
+        selected: list[tuple[str, dict[str, float], list[Any], dict[str, Any]]] = []
+        for (rid, kind_, graph_, spec, status_, parent, tags, meta, cfg_task, out_task, rewards_js,
+             steps_js) in self._tx(heads):
+            meta = _loads(meta) or {}
+            if any(meta.get(k) != v for k, v in want.items()):
+                continue
+            rewards = reward_dict(rid, _loads(rewards_js))
+            if min_reward is not None and (not rewards or sum(rewards.values()) < min_reward):
+                continue
+            md = trajectory_metadata(run_id=rid, kind=kind_, graph=graph_, model_spec=spec, status=status_,
+                                     tags=tags or [], parent_id=parent, metadata=meta, config_task_id=_loads(cfg_task),
+                                     outcome_task_id=_loads(out_task))
+            selected.append((rid, rewards, list(_loads(steps_js) or []), md))
+            if limit is not None and len(selected) >= limit:
+                break
+
+        for start in range(0, len(selected), batch_size):
+            chunk = selected[start:start + batch_size]
+            ids = [c[0] for c in chunk]
+
+            def read(con: duckdb.DuckDBPyConnection) -> tuple[dict[str, list[Any]], dict[str, list[Turn]]]:
+                msgs: dict[str, list[Any]] = {i: [] for i in ids}
+                turns: dict[str, list[Turn]] = {i: [] for i in ids}
+                for rid, js in con.execute("SELECT run_id, json FROM messages WHERE list_contains(?, run_id) "
+                                           "ORDER BY run_id, idx", [ids]).fetchall():
+                    msgs[rid].append(json.loads(js))
+                for row in con.execute(f"SELECT run_id, {_TURN_READ} FROM turns WHERE list_contains(?, run_id) "
+                                       "ORDER BY run_id, idx", [ids]).fetchall():
+                    turns[row[0]].append(_turn_from_row(row[1:]))
+                return msgs, turns
+
+            msgs, turns = self._tx(read)
+            for rid, rewards, step_rewards, md in chunk:
+                yield Trajectory(id=rid, messages=parse_messages(msgs[rid]), turns=turns[rid], rewards=rewards,
+                                 step_rewards=step_rewards, metadata=md)
 
     def list_runs(self, limit: int | None = 50, status: str | None = None, graph: str | None = None,
                   kind: str | None = None, parent_id: str | None = None, tag: str | None = None) -> list[RunSummary]:
@@ -409,6 +727,7 @@ class RunStore:
         clause = ("WHERE " + " AND ".join(where) if where else "") + " ORDER BY started_at DESC, id"
         if limit is not None:
             clause += f" LIMIT {int(limit)}"
+        self._flush_pending()
 
         def read(con: duckdb.DuckDBPyConnection) -> list[RunSummary]:
             self._reap(con)
@@ -451,6 +770,7 @@ class RunStore:
         if not isinstance(age, timedelta) or age < timedelta(0):
             raise ValueError("age must be a non-negative timedelta")
         cutoff = utcnow() - age
+        self._flush_pending()
 
         def write(con: duckdb.DuckDBPyConnection) -> int:
             self._reap(con)
@@ -458,7 +778,7 @@ class RunStore:
                                              "coalesce(ended_at, updated_at) < ?", [cutoff]).fetchall()]
             if not ids:
                 return 0
-            for table in ("messages", "turns", "tool_calls"):
+            for table in ("messages", "turns", "tool_calls", "metrics"):
                 con.execute(f"DELETE FROM {table} WHERE list_contains(?, run_id)", [ids])
             con.execute("DELETE FROM runs WHERE list_contains(?, id)", [ids])
             return len(ids)
@@ -467,6 +787,7 @@ class RunStore:
 
     def export_parquet(self, directory: str | os.PathLike[str]) -> dict[str, Path]:
         """One Parquet file per table, written by DuckDB from one consistent snapshot."""
+        self._flush_pending()
         out = Path(directory).expanduser()
         out.mkdir(parents=True, exist_ok=True)
         paths = {t: (out / f"{t}.parquet").resolve() for t in TABLES}
@@ -480,6 +801,13 @@ class RunStore:
         return self._tx(write)
 
     def close(self) -> None:
+        """Commit queued writes and stop the background writer (a later queued write restarts it)."""
+        writer = self._writer
+        if writer is not None:
+            writer.close()
+            self._queued_errors.extend(writer.errors)
+            self._writer = None
+            _open_stores.discard(self)
         if self._memory is not None:
             self._memory.close()
             self._memory = None
@@ -541,6 +869,102 @@ class ActiveRun:
 # ---------------------------------------------------------------------- row helpers
 
 
+@dataclass(slots=True)
+class _Step:
+    """What one ``log_step`` (or ``log_metrics(wait=False)``) queued for a run."""
+
+    run_id: str
+    messages: list[_Message]
+    turns: list[Turn]
+    tool_calls: list[tuple[ToolCall, ToolResult, int | None]]
+    metrics: list[tuple[int, str, float]]
+    replace: bool = False
+
+
+@dataclass(slots=True)
+class _RunDefaults:
+    kind: str
+    status: str
+    graph: str | None
+    model_spec: str | None
+    config: Any
+    tags: Sequence[str] | None
+    parent_id: str | None
+
+
+@dataclass(slots=True)
+class _EpisodeSpec:
+    trajectory: Trajectory
+    outcome: Mapping[str, Any] | None
+    started_at: datetime | None
+    error: BaseException | str | None
+
+
+# Stores with a background writer, flushed at interpreter exit (atexit runs before daemon threads die).
+_open_stores: "weakref.WeakSet[RunStore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    for store in list(_open_stores):
+        try:
+            store.close()
+        except Exception as e:  # noqa: BLE001 - exit must go on; say what was lost
+            warnings.warn(f"run store {store.path}: queued writes could not be committed at exit: {e}",
+                          RuntimeWarning, stacklevel=1)
+
+
+_INSERT_TURN = f"INSERT INTO turns ({', '.join(TURN_COLUMNS)}) VALUES ({', '.join('?' * len(TURN_COLUMNS))})"
+_TURN_READ = ("model, message, prompt_ids, completion_ids, logprobs, loss_mask, completion_text, finish_reason, "
+              "prompt_tokens, completion_tokens, cost_usd, latency_s, logprob_spec, trainable, purpose, unavailable")
+
+
+def _prepare_call(call: ToolCall, result: ToolResult, secrets: list[str]) -> PreparedToolCall:
+    return prepare_tool_call(call.id, call.name, call.function.arguments, result.content, result.error,
+                             result.error_kind, result.latency_s, secrets)
+
+
+def _take(counters: dict[str, int], run_id: str) -> int:
+    idx = counters[run_id]
+    counters[run_id] = idx + 1
+    return idx
+
+
+def _next_indices(con: duckdb.DuckDBPyConnection, table: str, run_ids: list[str]) -> dict[str, int]:
+    """The next free ``idx`` of each run in ``table`` (0 for a run without rows), in one query."""
+    out = {r: 0 for r in run_ids}
+    if run_ids:
+        for rid, top in con.execute(f"SELECT run_id, max(idx) FROM {table} WHERE list_contains(?, run_id) "
+                                    "GROUP BY run_id", [run_ids]).fetchall():
+            out[rid] = int(top) + 1
+    return out
+
+
+def _metric_entries(steps: Iterable[tuple[int, Mapping[str, float]]]) -> list[tuple[int, str, float]]:
+    """Validated ``(step, name, value)`` rows; a bad entry is a clear error before anything is written."""
+    out = []
+    for item in steps:
+        try:
+            step, values = item
+        except (TypeError, ValueError):
+            raise TypeError(f"expected (step, {{name: value}}) pairs, got {item!r}") from None
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        if not isinstance(values, Mapping):
+            raise TypeError(f"metrics of step {step} must be a mapping name -> number, got {type(values).__name__}")
+        for name, value in values.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"metric names must be non-empty strings, got {name!r} at step {step}")
+            if isinstance(value, (str, bytes)) or value is None:
+                raise TypeError(f"metric {name!r} at step {step} must be a number, got {value!r}")
+            try:
+                number = float(value)  # ints, numpy scalars, 0-d tensors
+            except (TypeError, ValueError):
+                raise TypeError(f"metric {name!r} at step {step} must be a number, got {value!r}") from None
+            out.append((step, name, number))
+    return out
+
+
 def _new_id() -> str:
     import uuid
 
@@ -550,14 +974,6 @@ def _new_id() -> str:
 def _next_idx(con: duckdb.DuckDBPyConnection, table: str, run_id: str) -> int:
     row = con.execute(f"SELECT coalesce(max(idx) + 1, 0) FROM {table} WHERE run_id = ?", [run_id]).fetchone()
     return int(row[0])
-
-
-def _prepare_turn(turn: Turn, secrets: list[str]) -> tuple[str, str | None, int, int]:
-    """Redaction and token counts, done before the transaction so the lock is held briefly."""
-    message = redact_message(turn.message.model_dump(mode="json", exclude_none=True), secrets)
-    text = redact_text(turn.completion_text, key_values=False, env_secrets=secrets) if turn.completion_text else turn.completion_text
-    return (json.dumps(message), text, turn.usage.prompt_tokens or len(turn.prompt_ids or []),
-            turn.usage.completion_tokens or len(turn.completion_ids or []))
 
 
 def _insert_message(con: duckdb.DuckDBPyConnection, run_id: str, idx: int, role: str, js: str) -> None:
@@ -596,9 +1012,11 @@ def _resolve(con: duckdb.DuckDBPyConnection, prefix: str) -> str:
 
 def _turn_from_row(row: tuple[Any, ...]) -> Turn:
     (model, message, prompt_ids, completion_ids, logprobs, loss_mask, completion_text, finish_reason,
-     prompt_tokens, completion_tokens, cost, latency) = row
+     prompt_tokens, completion_tokens, cost, latency, spec, trainable, purpose, unavailable) = row
     return Turn(message=AssistantMessage(**json.loads(message)), model=model or "", prompt_ids=prompt_ids,
                 completion_ids=completion_ids, logprobs=logprobs, loss_mask=loss_mask,
+                logprob_spec=LogprobSpec.model_validate_json(spec) if spec else None,
                 completion_text=completion_text, finish_reason=finish_reason,
                 usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cost_usd=cost),
-                latency_s=latency)
+                latency_s=latency, trainable=True if trainable is None else bool(trainable),
+                purpose=purpose or "policy", unavailable=_loads(unavailable) or {})

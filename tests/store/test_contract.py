@@ -241,7 +241,7 @@ def test_export_parquet_reads_back(store: RunStore, tmp_path):
         run.log_turn(t)
         run.log_tool_call(t.message.tool_calls[0], ToolResult("add", "", error="boom", error_kind="exception", latency_s=0.1))
     paths = store.export_parquet(tmp_path / "pq")
-    assert set(paths) == {"runs", "messages", "turns", "tool_calls"}
+    assert set(paths) == {"runs", "messages", "turns", "tool_calls", "metrics"}
     con = duckdb.connect()
     assert con.execute(f"SELECT id, status FROM '{paths['runs']}'").fetchall() == [(run.id, "completed")]
     assert con.execute(f"SELECT role FROM '{paths['messages']}'").fetchall() == [("user",)]

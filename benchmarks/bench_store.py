@@ -1,0 +1,163 @@
+"""What recording costs: bulk episodes, the interactive (event-loop) path, and the old per-call path.
+
+(a) bulk: ``RunStore.record_trajectories`` of ``--episodes`` trajectories × ``--turns`` turns of
+    ``--tokens`` tokens each (prompt + completion ids, logprobs, loss mask, a tool call and its
+    result per turn), in one call, into a DuckDB file: turns per second, preparation included.
+(b) interactive: a coroutine records ``--steps`` graph steps (tool-call turn + tool message + tool
+    record) through ``StoreRecorder.record`` like ``run_graph`` does, while a ticker task measures
+    how late the event loop wakes it. Reported: time spent inside ``record`` per turn (the loop is
+    blocked for exactly that), the ticker's lag, and the final ``finish_run`` (flush + finish).
+(c) the per-call path as it was: ``log_messages`` + ``log_turn`` + ``log_tool_call`` per step,
+    each opening the file, on the loop: the peer for (a) and (b).
+
+    python benchmarks/bench_store.py --episodes 1000 --turns 8 --tokens 200 --steps 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from closedloop.messages import (AssistantMessage, LogprobSpec, SystemMessage, ToolCall, ToolMessage, Trajectory,
+                                 Turn, Usage, UserMessage)
+from closedloop.runtime.recording import StoreRecorder
+from closedloop.runtime.state import ToolRecord
+from closedloop.store import RunStore
+from closedloop.tool import ToolResult
+
+
+def make_turn(i: int, tokens: int) -> Turn:
+    n_prompt = tokens * 3 // 4
+    n_completion = tokens - n_prompt
+    call = ToolCall.make("add", {"a": i, "b": 1})
+    return Turn(message=AssistantMessage(content=f"step {i}: adding", tool_calls=[call]), model="tiny",
+                prompt_ids=list(range(i, i + n_prompt)), completion_ids=list(range(n_completion)),
+                logprobs=[-0.25] * n_completion, completion_text=f'step {i}: adding <tool_call>{{"name": "add"}}',
+                finish_reason="tool_calls", usage=Usage(prompt_tokens=n_prompt, completion_tokens=n_completion),
+                latency_s=0.01, logprob_spec=LogprobSpec(temperature=1.0, backend="hf"))
+
+
+def make_trajectory(turns: int, tokens: int, seed: int) -> Trajectory:
+    messages = [SystemMessage(content="You are a calculator agent."), UserMessage(content=f"What is {seed} + {turns}?")]
+    recorded = []
+    for i in range(turns):
+        t = make_turn(seed + i, tokens)
+        recorded.append(t)
+        call = t.message.tool_calls[0]
+        messages += [t.message, ToolMessage(tool_call_id=call.id, name="add", content=str(seed + i + 1))]
+    return Trajectory(messages=messages, turns=recorded, rewards={"correct": 1.0, "format": 0.1},
+                      metadata={"task_id": f"calc-{seed % 50}"})
+
+
+def bench_bulk(path: Path, episodes: int, turns: int, tokens: int) -> dict[str, float]:
+    store = RunStore(path)
+    warm = [make_trajectory(turns, tokens, 10_000 + i) for i in range(5)]
+    store.record_trajectories(warm, kind="train", graph="react")  # imports, schema, first open
+    trajs = [make_trajectory(turns, tokens, i) for i in range(episodes)]
+    t0 = time.perf_counter()
+    store.record_trajectories(trajs, kind="train", graph="react")
+    dt = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    n = sum(1 for _ in store.iter_trajectories(kind="train"))
+    read = time.perf_counter() - t0
+    assert n == episodes + len(warm)
+    return {"seconds": dt, "turns_per_s": episodes * turns / dt, "read_turns_per_s": n * turns / read}
+
+
+def _step(i: int, tokens: int, turn_idx: int) -> tuple[list, list[Turn], list[ToolRecord]]:
+    t = make_turn(i, tokens)
+    call = t.message.tool_calls[0]
+    record = ToolRecord(call_id=call.id, name="add", arguments=call.function.arguments, content=str(i + 1),
+                        latency_s=0.001, turn_idx=turn_idx)
+    return [t.message, ToolMessage(tool_call_id=call.id, name="add", content=str(i + 1))], [t], [record]
+
+
+async def _ticker(lags: list[float], stop: asyncio.Event, period: float = 0.002) -> None:
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        await asyncio.sleep(period)
+        lags.append(time.perf_counter() - t0 - period)
+
+
+async def bench_interactive(path: Path, steps: int, tokens: int, queued: bool) -> dict[str, float]:
+    store = RunStore(path)
+    run_id = store.start_run(kind="run", graph="react")
+    recorder = StoreRecorder(store, run_id)
+    prepared = [_step(i, tokens, i) for i in range(steps)]
+    lags: list[float] = []
+    stop = asyncio.Event()
+    ticker = asyncio.create_task(_ticker(lags, stop))
+    costs = []
+    t_all = time.perf_counter()
+    for messages, turns, records in prepared:
+        t0 = time.perf_counter()
+        if queued:
+            recorder.record(messages, turns, records)
+        else:  # the old StoreRecorder: one connection per call, on the loop
+            store.log_messages(run_id, messages)
+            for t in turns:
+                store.log_turn(run_id, t)
+            for r in records:
+                store.log_tool_call(run_id, ToolCall(id=r.call_id, function={"name": r.name, "arguments": r.arguments}),
+                                    ToolResult(r.name, r.content, latency_s=r.latency_s), r.turn_idx)
+        costs.append(time.perf_counter() - t0)
+        await asyncio.sleep(0.001)  # the model and tools would run here
+    t0 = time.perf_counter()
+    store.finish_run(run_id)
+    finish = time.perf_counter() - t0
+    total = time.perf_counter() - t_all
+    stop.set()
+    await ticker
+    rec = store.get_run(run_id)
+    assert len(rec.turns) == steps and len(rec.tool_calls) == steps and len(rec.messages) == 2 * steps
+    store.close()
+    costs.sort()
+    lags.sort()
+    return {"mean_ms": statistics.fmean(costs) * 1e3, "p50_ms": costs[len(costs) // 2] * 1e3,
+            "p99_ms": costs[int(len(costs) * 0.99)] * 1e3, "max_ms": costs[-1] * 1e3,
+            "lag_p99_ms": lags[int(len(lags) * 0.99)] * 1e3 if lags else 0.0, "finish_ms": finish * 1e3,
+            "turns_per_s": steps / total}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--episodes", type=int, default=1000)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=200, help="prompt + completion ids per turn")
+    ap.add_argument("--steps", type=int, default=400, help="graph steps on the interactive path")
+    ap.add_argument("--old-steps", type=int, default=60, help="steps on the old per-call path (slow)")
+    args = ap.parse_args()
+    console = Console()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        with console.status("bulk record_trajectories ..."):
+            bulk = bench_bulk(tmp / "bulk.duckdb", args.episodes, args.turns, args.tokens)
+        with console.status("interactive path (queued) ..."):
+            fast = asyncio.run(bench_interactive(tmp / "fast.duckdb", args.steps, args.tokens, queued=True))
+        with console.status("old per-call path ..."):
+            old = asyncio.run(bench_interactive(tmp / "old.duckdb", args.old_steps, args.tokens, queued=False))
+
+    table = Table(title=f"run store: {args.episodes} episodes x {args.turns} turns x {args.tokens} tokens; "
+                        f"{args.steps} interactive steps")
+    for col in ("path", "turns/s", "on-loop ms/turn mean", "p50", "p99", "max", "loop lag p99 ms", "finish ms"):
+        table.add_column(col, justify="right" if col != "path" else "left")
+    table.add_row("bulk record_trajectories (one call)", f"{bulk['turns_per_s']:,.0f}", "-", "-", "-", "-", "-", "-")
+    table.add_row("bulk read iter_trajectories", f"{bulk['read_turns_per_s']:,.0f}", "-", "-", "-", "-", "-", "-")
+    for name, r in (("StoreRecorder.record (queued)", fast), ("old per-call log_* (sync)", old)):
+        table.add_row(name, f"{r['turns_per_s']:,.0f}", f"{r['mean_ms']:.3f}", f"{r['p50_ms']:.3f}",
+                      f"{r['p99_ms']:.3f}", f"{r['max_ms']:.3f}", f"{r['lag_p99_ms']:.2f}", f"{r['finish_ms']:.1f}")
+    console.print(table)
+    console.print(f"bulk vs old per-call: {bulk['turns_per_s'] / old['turns_per_s']:,.0f}x turns/s; "
+                  f"on-loop cost per turn, old / queued: {old['mean_ms'] / fast['mean_ms']:,.0f}x "
+                  f"(goals: bulk >= 20,000 turns/s; queued <= 1 ms per turn on the loop)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""A background thread that turns many small writes into one transaction every ``interval_s``.
+
+Why a thread and not a connection kept open: DuckDB lets only one process open a file for
+writing, and an open connection locks readers in other processes out as well (``closedloop runs
+list`` next to a running eval, a trainer reading rollouts). Keeping the file open between writes
+would make them cheap but shut every other process out for as long as it stays open. Instead,
+writes are queued (a list append under a lock: microseconds, so an asyncio event loop is never
+blocked by the store) and this thread commits everything queued so far in one transaction per
+``interval_s``, opening the file once per batch and closing it again. Another process waits at
+most one batch (tens of ms) for its turn, as before.
+
+The price is a bounded window: a process that is SIGKILLed (or dies on SIGTERM without running
+``atexit``) loses what it queued in its last ``interval_s`` plus the time of one write. Its run
+still shows as ``killed`` (the run row is written synchronously by ``start_run``) with
+everything committed before. ``flush()`` (called by ``finish_run``, ``close``, every synchronous
+write and read of the same store, and at interpreter exit) makes the queue durable at once, so a
+finished run never lacks a step it logged.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+__all__ = ["BackgroundWriter"]
+
+
+class BackgroundWriter:
+    """Runs ``write(ops)`` on a daemon thread for batches of submitted ops, in submission order.
+
+    ``write`` must be all-or-nothing. When it raises one of ``retryable`` (the file stayed locked
+    by another process) the batch goes back to the front of the queue and is tried again on the
+    next flush; any other exception drops the batch and is kept in :attr:`errors` (and warned).
+    """
+
+    def __init__(self, write: Callable[[list[Any]], None], *, interval_s: float, name: str,
+                 retryable: tuple[type[BaseException], ...] = ()) -> None:
+        if interval_s < 0:
+            raise ValueError("interval_s must be >= 0")
+        self._write = write
+        self.interval_s = interval_s
+        self._name = name
+        self._retryable = retryable
+        self._pending: list[Any] = []
+        self._cond = threading.Condition()
+        self._flush_lock = threading.Lock()  # one batch at a time, so batches commit in order
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.errors: list[BaseException] = []
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def submit(self, op: Any) -> None:
+        """Queue one op; never blocks on the store."""
+        self.submit_many((op,))
+
+    def submit_many(self, ops: Sequence[Any]) -> None:
+        with self._cond:
+            self._pending.extend(ops)
+            if self._thread is None or not self._thread.is_alive():
+                self._closing = False
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def flush(self) -> None:
+        """Commit everything submitted so far, in the calling thread; raises what the write raised."""
+        with self._flush_lock:
+            with self._cond:
+                ops, self._pending = self._pending, []
+            if not ops:
+                return
+            try:
+                self._write(ops)
+            except self._retryable:
+                with self._cond:
+                    self._pending[:0] = ops
+                raise
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush and stop the thread (a later ``submit`` starts a new one)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        self.flush()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                if self._closing and not self._pending:
+                    return
+                deadline = time.monotonic() + self.interval_s  # gather what arrives meanwhile
+                while not self._closing and (left := deadline - time.monotonic()) > 0:
+                    self._cond.wait(left)
+            try:
+                self.flush()
+            except BaseException as e:  # noqa: BLE001 - the thread must outlive any one failed batch
+                if not isinstance(e, self._retryable):
+                    self.errors.append(e)
+                warnings.warn(f"run store background write failed: {e}", RuntimeWarning, stacklevel=1)
+                if isinstance(e, self._retryable):
+                    time.sleep(self.interval_s)

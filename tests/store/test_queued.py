@@ -1,0 +1,166 @@
+"""The queued write path (``log_step``, ``StoreRecorder``): off the event loop, yet durable and visible."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from closedloop.graphs.react import build_react_graph
+from closedloop.messages import AssistantMessage, ToolCall, UserMessage
+from closedloop.models.scripted import ScriptedClient
+from closedloop.plugins import tool_registry
+from closedloop.runtime.execute import run_graph
+from closedloop.runtime.recording import StoreRecorder
+from closedloop.store import RunNotFoundError, RunStateError, RunStore
+from closedloop.tool import ToolResult
+
+from .conftest import REPO, make_turn, run_python
+from .test_trajectories import _count_connections
+
+
+async def test_graph_run_records_through_the_queue_without_opening_the_file(store: RunStore):
+    client = ScriptedClient([AssistantMessage(tool_calls=[ToolCall.make("add", {"a": 3, "b": 4})]),
+                             AssistantMessage(content="7")])
+    graph = build_react_graph(client, tool_registry(["arithmetic"]), max_turns=4)
+    rid = store.start_run(kind="run", graph="react")
+    opened: list[int] = []
+    with _count_connections(store, opened):
+        result = await run_graph(graph, {"messages": [UserMessage(content="3+4?")]}, recorder=StoreRecorder(store, rid))
+    assert threading.get_ident() not in opened  # the event loop's thread never opened the DuckDB file
+    store.finish_run(rid, outcome={"answer": "7"})
+    rec = store.get_run(rid)
+    assert [m.role for m in rec.messages] == ["user", "assistant", "tool", "assistant"]
+    assert [m.role for m in rec.messages] == [m.role for m in result.state["messages"]]
+    assert len(rec.turns) == 2 and rec.turns[1].message.text == "7"
+    [tc] = rec.tool_calls
+    assert (tc.name, tc.turn_idx, tc.result) == ("add", 0, "7.0")
+
+
+def test_queued_and_direct_writes_keep_their_order(store: RunStore):
+    rid = store.start_run()
+    t0, t1 = make_turn("first", tool="add", args={"a": 1}), make_turn("second")
+    store.log_step(rid, [UserMessage(content="q")], [t0],
+                   [(t0.message.tool_calls[0], ToolResult("add", "1"), None)])
+    store.log_messages(rid, [t0.message])  # direct: commits the queue first
+    store.log_step(rid, [UserMessage(content="again")], [t1])
+    store.log_step(rid, [UserMessage(content="only this")], replace=True)
+    rec = store.get_run(rid)  # reads see this process's queued writes
+    assert [m.text for m in rec.messages] == ["only this"]
+    assert [t.message.text for t in rec.turns] == ["first", "second"]
+    assert rec.tool_calls[0].turn_idx == 0 and rec.prompt_tokens == 8 and rec.completion_tokens == 6
+
+
+def test_a_queued_write_to_a_finished_run_is_reported_by_flush_and_spares_other_runs(store: RunStore):
+    done, live = store.start_run(), store.start_run()
+    store.finish_run(done)
+    store.log_step(done, [UserMessage(content="late")])
+    store.log_step(live, [UserMessage(content="fine")])
+    store.log_step("no-such-run", [UserMessage(content="lost")])
+    with pytest.warns(RuntimeWarning, match="dropped"), pytest.raises(RunStateError, match="is completed"):
+        store.flush()
+    store.flush()  # reported once
+    assert [m.text for m in store.get_run(live).messages] == ["fine"]
+    assert store.get_run(done).messages == []
+    store.log_step("no-such-run", [UserMessage(content="lost")])
+    with pytest.warns(RuntimeWarning), pytest.raises(RunNotFoundError):
+        store.flush()
+
+
+FAST_WRITER = """
+import sys
+from closedloop.messages import AssistantMessage, Turn, UserMessage
+from closedloop.store import RunStore
+
+store = RunStore(sys.argv[1], flush_interval_s=float(sys.argv[3]))
+run_id = store.start_run(kind="train")
+for i in range(int(sys.argv[2])):
+    store.log_step(run_id, [UserMessage(content=f"u{i}")],
+                   [Turn(message=AssistantMessage(content=f"a{i}"), prompt_ids=[i], completion_ids=[i, i])])
+print(run_id, flush=True)
+ending = sys.argv[4]
+if ending == "finish":
+    store.finish_run(run_id, outcome={"rewards": {"r": 1.0}})
+elif ending == "close":
+    store.close()
+# "exit": nothing; interpreter exit commits the queue
+"""
+
+
+@pytest.mark.parametrize("ending", ["finish", "close", "exit"])
+def test_queued_writes_are_durable_and_visible_to_another_process(store_path, ending):
+    proc = run_python(FAST_WRITER, str(store_path), "40", "60", ending)  # the interval alone would never flush
+    assert proc.returncode == 0, proc.stderr
+    rec = RunStore(store_path).get_run(proc.stdout.strip())
+    assert [m.text for m in rec.messages] == [f"u{i}" for i in range(40)]
+    assert [t.completion_ids for t in rec.turns] == [[i, i] for i in range(40)]
+    assert rec.completion_tokens == 80
+    assert rec.status == ("completed" if ending == "finish" else "killed")  # exited without finishing
+
+
+KILLED_FAST_WRITER = """
+import os, signal, sys
+from closedloop.messages import AssistantMessage, Turn, UserMessage
+from closedloop.store import RunStore
+
+store = RunStore(sys.argv[1], flush_interval_s=60)
+run_id = store.start_run(kind="eval")
+store.log_step(run_id, [UserMessage(content="committed")], [Turn(message=AssistantMessage(content="t0"))])
+store.flush()
+store.log_step(run_id, [UserMessage(content="still queued")])
+print(run_id, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_queued_writer_is_marked_killed_with_what_it_committed(store_path):
+    proc = run_python(KILLED_FAST_WRITER, str(store_path))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    rec = RunStore(store_path).get_run(proc.stdout.strip())
+    assert rec.status == "killed" and "exited without finishing" in rec.error
+    assert [m.text for m in rec.messages] == ["committed"] and [t.message.text for t in rec.turns] == ["t0"]
+
+
+STEADY_FAST_WRITER = """
+import sys, time
+from closedloop.messages import AssistantMessage, Turn
+from closedloop.store import RunStore
+
+store = RunStore(sys.argv[1], flush_interval_s=0.02)
+n = int(sys.argv[2])
+run_id = store.start_run(kind="train")
+print(run_id, flush=True)
+for i in range(n):
+    store.log_step(run_id, turns=[Turn(message=AssistantMessage(content=str(i)), prompt_ids=[i], completion_ids=[i])])
+    time.sleep(0.01)
+store.finish_run(run_id)
+"""
+
+
+def test_another_process_reads_while_the_background_writer_commits(store_path):
+    RunStore(store_path)
+    n = 40
+    writer = subprocess.Popen([sys.executable, "-c", STEADY_FAST_WRITER, str(store_path), str(n)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run_id = writer.stdout.readline().strip()
+        assert run_id, writer.stderr.read()
+        reader = RunStore(store_path)
+        seen = []
+        while writer.poll() is None:
+            rec = reader.get_run(run_id)
+            assert rec.prompt_tokens == len(rec.turns)  # totals and rows commit together
+            assert [t.message.text for t in rec.turns] == [str(i) for i in range(len(rec.turns))]
+            seen.append(len(rec.turns))
+            time.sleep(0.02)  # a reader polling as `runs show` would; a tight loop could starve the writer
+        assert writer.wait(timeout=60) == 0, writer.stderr.read()
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+    assert seen == sorted(seen) and any(0 < k < n for k in seen), seen
+    final = reader.get_run(run_id)
+    assert final.status == "completed" and len(final.turns) == n
