@@ -220,13 +220,22 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tiny_model_path, t
         if step == 3:
             signal.raise_signal(signal.SIGINT)
 
-    cfg_b = sft_config(tiny_model_path, tmp_path / "b", *common, "resume=auto")
+    from closedloop.store import RunStore
+
+    store_path = tmp_path / "runs.duckdb"
+    cfg_b = sft_config(tiny_model_path, tmp_path / "b", *common, "resume=auto", "report_to=store",
+                       f"store={store_path}")
     stopped = train_sft(cfg_b, on_step=press_ctrl_c)
     assert stopped.interrupted and stopped.step == 3 and stopped.checkpoint.name == "checkpoint-3"
     assert not (stopped.output_dir / "model.safetensors").exists()  # no final model for a stopped run
+    assert RunStore(store_path).get_run(stopped.run_id).status == "interrupted"
     resumed = train_sft(cfg_b)
     assert not resumed.interrupted and resumed.step == 6
     assert [step for step, _ in resumed.history] == [4, 6]  # it continued from step 3, not from scratch
+    # The same run continues in the store.
+    assert resumed.run_id == stopped.run_id
+    assert RunStore(store_path).get_run(resumed.run_id).status == "completed"
+    assert [m["step"] for m in RunStore(store_path).metrics(resumed.run_id)] == [2, 4, 6]
 
     want, got = _weights(straight.model_dir), _weights(resumed.model_dir)
     assert want.keys() == got.keys()
