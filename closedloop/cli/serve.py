@@ -19,6 +19,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="hf: torch device, e.g. cuda or cpu (default: cpu)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="hf: torch intra-op threads; 1 avoids OpenMP oversubscription on a shared CPU")
+    p.add_argument("--allow-weight-updates", action="store_true",
+                   help="enable the admin endpoint POST /closedloop/v1/load_weights, which reloads the served "
+                        "hf:/vllm: model's weights from a directory on this machine (for a trainer pushing its "
+                        "weights; off by default: keep such a server on a loopback address)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=handle)
 
@@ -57,8 +61,18 @@ def handle(args: argparse.Namespace) -> int:
         print(f"error: --max-batch-size, --device and --torch-threads apply to hf: models, not {spec.backend}:",
               file=sys.stderr)
         return 2
+    if args.allow_weight_updates:
+        if spec.backend == "openai":
+            print("error: --allow-weight-updates needs a local model (hf: or vllm:), not openai:", file=sys.stderr)
+            return 2
+        if spec.backend == "vllm":
+            kwargs["weight_updates"] = True  # the engine core in this process, where the weights can be loaded
+        if args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"warning: --allow-weight-updates on {args.host}: anyone who can reach this address can replace "
+                  "the model's weights and make the server read local directories", file=sys.stderr)
     client = make_client(spec, **kwargs)
-    app = create_app(client, args.served_name or spec.model, default_max_tokens=args.max_tokens)
+    app = create_app(client, args.served_name or spec.model, default_max_tokens=args.max_tokens,
+                     allow_weight_updates=args.allow_weight_updates)
     print(f"serving {spec} as {args.served_name or spec.model!r} on http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

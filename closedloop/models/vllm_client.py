@@ -28,15 +28,27 @@ their ``temperature`` and ``top_p``: each value is the tempered one minus ``log`
 Sample with ``top_p=1`` for rollouts whose logprobs a trainer uses as old logprobs. A vLLM too old
 for ``logprobs_mode`` reports raw logprobs; turns then record ``"raw"`` (tempered only when
 ``temperature`` is 0 or 1 with ``top_p == 1``) and :attr:`VLLMClient.info` says so.
+
+Weight updates (a trainer's rollout engine, :mod:`closedloop.trainers.weight_sync`):
+:meth:`VLLMClient.load_weights` loads named tensors into the engine's model the way TRL's
+``GRPOTrainer`` does in vLLM colocate mode
+(``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, tensor)])``,
+one tensor at a time, then ``llm.reset_prefix_cache()`` so no cached KV block computed with the
+old weights is reused). That path reaches the model object only when vLLM's engine core runs in
+this process: TRL gets that from ``distributed_executor_backend="external_launcher"``; here
+``weight_updates=True`` builds the engine with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine
+core in-process, vLLM's "v0 compatibility" ``llm_engine.model_executor``). The update runs under
+:meth:`VLLMClient.paused`, so no batch decodes across it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from closedloop.messages import LogprobSpec, Turn, Usage, _Message
 from closedloop.models.base import GenerateRequest, ModelClient, ModelError, SamplingParams, ToolChoice
@@ -73,6 +85,25 @@ def vllm_logprob_spec(engine_mode: str, params: SamplingParams) -> LogprobSpec:
     return LogprobSpec(mode=mode, temperature=temperature, top_p=top_p, backend="vllm")
 
 
+@contextlib.contextmanager
+def _inprocess_engine(enabled: bool) -> Iterator[None]:
+    """``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while the engine is built (vLLM reads it then), so its
+    engine core, and the model, live in this process; the previous value is restored after."""
+    if not enabled:
+        yield
+        return
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    old = os.environ.get(key)
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
 @dataclass
 class _Pending:
     prompt_ids: list[int]
@@ -86,19 +117,23 @@ class VLLMClient(ModelClient):
     """A vLLM ``LLM`` engine behind the :class:`ModelClient` interface."""
 
     def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.85, batch_wait_ms: float = 5.0, **engine_kwargs: Any):
+                 gpu_memory_utilization: float = 0.85, batch_wait_ms: float = 5.0, weight_updates: bool = False,
+                 **engine_kwargs: Any):
+        """``weight_updates=True``: run vLLM's engine core in this process so that
+        :meth:`load_weights` can reach the model (see the module docstring)."""
         vllm = _import_vllm()
         self._vllm = vllm
         kwargs: dict[str, Any] = {"model": model, "dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization,
                                   **engine_kwargs}
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
-        self.info: dict[str, Any] = {"logprobs_mode": "processed_logprobs"}
-        try:
-            self.llm = vllm.LLM(logprobs_mode="processed_logprobs", **kwargs)
-        except TypeError:  # vLLM before logprobs_mode existed: raw logprobs only
-            self.llm = vllm.LLM(**kwargs)
-            self.info["logprobs_mode"] = "raw_logprobs"
+        self.info: dict[str, Any] = {"logprobs_mode": "processed_logprobs", "weight_updates": weight_updates}
+        with _inprocess_engine(weight_updates):
+            try:
+                self.llm = vllm.LLM(logprobs_mode="processed_logprobs", **kwargs)
+            except TypeError:  # vLLM before logprobs_mode existed: raw logprobs only
+                self.llm = vllm.LLM(**kwargs)
+                self.info["logprobs_mode"] = "raw_logprobs"
         self.tokenizer = self.llm.get_tokenizer()
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ModelError(f"{model} has no chat template; the vllm: backend needs a chat model")
@@ -185,6 +220,37 @@ class VLLMClient(ModelClient):
         weights into the engine); requests submitted meanwhile run after it. As ``HFClient.paused``."""
         with self._batcher.paused():
             yield
+
+    def engine_model(self) -> Any:
+        """The engine's ``torch.nn.Module`` when vLLM's engine core runs in this process (as in
+        TRL's colocate mode), else ``None``."""
+        try:
+            return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        except AttributeError:
+            return None
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
+        """Load ``(name, tensor)`` pairs (Hugging Face parameter names, LoRA already merged) into
+        the engine's model in place; returns how many tensors were loaded.
+
+        As TRL's colocate sync: each tensor through the model's own ``load_weights`` (which maps
+        HF names onto vLLM's fused layers, e.g. q/k/v into ``qkv_proj``), then the prefix cache is
+        reset. Runs under :meth:`paused`: a batch in progress finishes on the old weights, later
+        ones see the new weights, none sees a mixture.
+        """
+        model = self.engine_model()
+        if model is None:
+            raise ModelError("this vLLM engine runs its model in another process, where load_weights cannot reach "
+                             "it; build the client with VLLMClient(..., weight_updates=True) (engine core "
+                             "in-process, as TRL's colocate mode) or serve the model with `trl vllm-serve` and sync "
+                             "over NCCL")
+        count = 0
+        with self.paused():
+            for name, tensor in named_tensors:
+                model.load_weights([(name, tensor)])
+                count += 1
+            self.llm.reset_prefix_cache()
+        return count
 
     async def aclose(self) -> None:
         await self._batcher.close()

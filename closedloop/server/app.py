@@ -25,6 +25,17 @@ Known limits, stated rather than hidden:
   arrive whole on each choice's final chunk (the one with ``finish_reason``), and tool calls
   arrive complete, one delta each, after the text.
 * ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` are accepted and ignored.
+
+Admin endpoints (closedloop-specific, for a trainer whose rollouts come from this server):
+
+* ``GET /closedloop/v1/weights`` reports whether weight updates are allowed and the last load.
+* ``POST /closedloop/v1/load_weights {"path": DIR, "step": N}`` reloads the served ``hf:`` (or
+  ``vllm:``) model's weights in place from a Hugging Face directory (``config.json`` +
+  safetensors) on the server's filesystem (:mod:`closedloop.server.weights`): checked whole
+  before anything is copied (400 naming the problem otherwise), applied while no batch decodes.
+  It is off unless the server was started with ``--allow-weight-updates`` (403 otherwise),
+  because it lets any caller replace the model and read local directories: meant for a trainer
+  on the same machine, on a loopback address. A backend without local weights answers 501.
 """
 
 from __future__ import annotations
@@ -46,9 +57,9 @@ from closedloop.messages import Turn, _Message, content_text
 from closedloop.models.base import (ModelClient, ModelError, ModelUnavailableError, SamplingParams,
                                     TextDelta, TurnDone)
 from closedloop.server.schemas import (ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs,
-                                       CompletionTokensDetails, DiscardedAttempt, ErrorBody, ErrorResponse, ModelCard,
-                                       ModelList, ResponseFunctionCall, ResponseMessage, ResponseToolCall,
-                                       TokenLogprob, UsageInfo)
+                                       CompletionTokensDetails, DiscardedAttempt, ErrorBody, ErrorResponse,
+                                       LoadWeightsRequest, ModelCard, ModelList, ResponseFunctionCall, ResponseMessage,
+                                       ResponseToolCall, TokenLogprob, UsageInfo, WeightsStatus)
 
 log = logging.getLogger("closedloop.server")
 
@@ -202,12 +213,57 @@ def _visible_prefix(raw: str, stops: list[str] | None = None) -> str:
 
 
 class _Server:
-    def __init__(self, client: ModelClient, model_name: str, default_max_tokens: int, max_reasks: int) -> None:
+    def __init__(self, client: ModelClient, model_name: str, default_max_tokens: int, max_reasks: int,
+                 allow_weight_updates: bool = False) -> None:
         self.client = client
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.max_reasks = max_reasks
         self.created = int(time.time())
+        self.weights = WeightsStatus(weight_updates=allow_weight_updates,
+                                     backend=str(getattr(client, "spec", type(client).__name__)))
+        self._weights_lock = asyncio.Lock()
+
+    # ----------------------------------------------------------------- admin: weights
+
+    async def load_weights(self, request: Request) -> WeightsStatus:
+        """Reload the served weights from a directory (see the module docstring)."""
+        from closedloop.server.weights import UnsupportedBackend, WeightsError, load_weights_into, read_hf_weights, \
+            served_model_type
+
+        if not self.weights.weight_updates:
+            raise APIError(403, "weight updates are disabled on this server; start it with --allow-weight-updates "
+                                "(an admin endpoint for a trainer on the same machine)", type="permission_error",
+                           code="weight_updates_disabled")
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        try:
+            req = LoadWeightsRequest.model_validate(body)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        async with self._weights_lock:  # one load at a time; generation waits only for the copy itself
+            t0 = time.perf_counter()
+
+            def load() -> int:
+                state = read_hf_weights(req.path, model_type=served_model_type(self.client))
+                return load_weights_into(self.client, state)
+
+            try:
+                count = await asyncio.to_thread(load)
+            except WeightsError as e:
+                raise APIError(400, str(e), param="path", code="invalid_weights") from None
+            except UnsupportedBackend as e:
+                raise APIError(501, str(e), type="server_error", code="unsupported_backend") from None
+            except Exception as e:  # noqa: BLE001 - the model may be half-loaded: say so loudly
+                log.error("weight load failed", exc_info=e)
+                raise APIError(500, f"weight load failed: {type(e).__name__}: {e}", type="server_error",
+                               code="weight_load_failed") from None
+            self.weights = self.weights.model_copy(update={
+                "loads": self.weights.loads + 1, "step": req.step, "path": req.path, "tensors": count,
+                "load_s": time.perf_counter() - t0})
+            return self.weights
 
     # ----------------------------------------------------------------- request parsing
 
@@ -379,9 +435,13 @@ class _Server:
                 t.cancel()
 
 
-def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int = 256, max_reasks: int = 2) -> FastAPI:
-    """The FastAPI app serving ``client`` as ``model_name`` (the only name requests may use)."""
-    server = _Server(client, model_name, default_max_tokens, max_reasks)
+def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int = 256, max_reasks: int = 2,
+               allow_weight_updates: bool = False) -> FastAPI:
+    """The FastAPI app serving ``client`` as ``model_name`` (the only name requests may use).
+
+    ``allow_weight_updates`` enables the admin endpoint ``POST /closedloop/v1/load_weights``
+    (off by default; see the module docstring)."""
+    server = _Server(client, model_name, default_max_tokens, max_reasks, allow_weight_updates)
     app = FastAPI(title="closedloop", docs_url=None, redoc_url=None)
     app.state.server = server
 
@@ -427,5 +487,13 @@ def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int 
                                      headers={"Cache-Control": "no-cache"})
         result = await server.complete(req, messages)
         return JSONResponse(result.to_wire())
+
+    @app.get("/closedloop/v1/weights")
+    async def weights() -> dict[str, Any]:
+        return server.weights.model_dump()
+
+    @app.post("/closedloop/v1/load_weights")
+    async def load_weights(request: Request) -> dict[str, Any]:
+        return (await server.load_weights(request)).model_dump()
 
     return app

@@ -256,3 +256,29 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+# --------------------------------------------------------------------------- admin: weight updates
+
+
+class LoadWeightsRequest(BaseModel):
+    """``POST /closedloop/v1/load_weights``: reload the served model's weights from a Hugging Face
+    directory on the server's filesystem (``step`` is the trainer's, echoed in the status)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1)
+    step: int | None = Field(None, ge=0)
+
+
+class WeightsStatus(BaseModel):
+    """What ``GET /closedloop/v1/weights`` and a successful load report."""
+
+    object: Literal["closedloop.weights"] = "closedloop.weights"
+    weight_updates: bool  # whether the server was started with --allow-weight-updates
+    backend: str
+    loads: int = 0  # successful loads since the server started
+    step: int | None = None  # of the last load
+    path: str | None = None  # of the last load
+    tensors: int | None = None  # loaded by the last load
+    load_s: float | None = None  # how long the last load took
