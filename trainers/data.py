@@ -115,14 +115,17 @@ def assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], tools: list[d
         # emits to stop). Only without one is messages[:k+1] rendered to find where the message ends.
         end = next((i + 1 for i in range(start, len(full)) if full[i] in eot), None)
         upto = _render(tokenizer, messages[: k + 1], tools, False) if end is None else None
-        checks = [("messages[:k] + generation prompt", before)] + ([("messages[:k+1]", upto)] if upto is not None else [])
+        checks = [("messages[:k] + generation prompt", before)]
+        if upto is not None:
+            checks.append(("messages[:k+1]", upto))
         for name, part in checks:
             if full[: len(part)] != part:
                 at = next((i for i, (a, b) in enumerate(zip(full, part)) if a != b), min(len(full), len(part)))
                 raise TemplateError(
                     f"the chat template is not prefix-stable at assistant message {k}: the rendering of {name} is "
                     f"not a prefix of the whole conversation's (first difference at token {at}: "
-                    f"{tokenizer.decode(part[max(0, at - 8):at + 8])!r} vs {tokenizer.decode(full[max(0, at - 8):at + 8])!r}). "
+                    f"{tokenizer.decode(part[max(0, at - 8):at + 8])!r} vs "
+                    f"{tokenizer.decode(full[max(0, at - 8):at + 8])!r}). "
                     "Templates that rewrite earlier turns (e.g. dropping reasoning) cannot give an exact mask by "
                     "rendering; train on recorded token trajectories instead, or add {% generation %} markers.")
         if upto is not None:

@@ -13,7 +13,7 @@ import torch
 from closedloop.messages import AssistantMessage, ToolMessage, Trajectory, UserMessage
 from closedloop.models.base import SamplingParams
 from closedloop.trainers.config import SFTConfig, load_config
-from closedloop.trainers.data import (Example, TemplateError, collate, encode_conversation,
+from closedloop.trainers.data import (TemplateError, collate, encode_conversation,
                                       examples_from_trajectories, pack_examples)
 from closedloop.trainers.losses import sft_loss
 
