@@ -219,11 +219,13 @@ class VLLMServerSync:
                  connection_timeout: float = 60.0) -> None:
         try:
             from trl.generation.vllm_client import VLLMClient as TRLVLLMClient
-        except ImportError as e:
+
+            client = TRLVLLMClient(base_url=root, group_port=group_port, connection_timeout=connection_timeout)
+        except ImportError as e:  # trl missing, or trl without vllm (its client checks on construction)
             raise NotImplementedError("syncing a vLLM server needs trl and vllm on the trainer's side "
-                                      "(pip install 'trl[vllm]'), and a CUDA device") from e
+                                      f"(pip install 'trl[vllm]') and a CUDA device: {e}") from e
         self.device = device
-        self.client = TRLVLLMClient(base_url=root, group_port=group_port, connection_timeout=connection_timeout)
+        self.client = client
         self.client.init_communicator(device=device)
         self._metadata: list[tuple[str, str, list[int]]] | None = None
 
@@ -312,8 +314,12 @@ def _probe_server(root: str, timeout_s: float) -> str:
         r = httpx.get(root + STATUS_PATH, timeout=timeout_s)
     except httpx.HTTPError as e:
         raise ConnectionError(f"cannot reach the rollout server at {root} to set up weight sync: {e}") from e
-    if r.status_code == 200 and r.json().get("object") == "closedloop.weights":
-        if not r.json().get("weight_updates"):
+    try:
+        status = r.json() if r.status_code == 200 else {}
+    except ValueError:
+        status = {}
+    if isinstance(status, dict) and status.get("object") == "closedloop.weights":
+        if not status.get("weight_updates"):
             raise ValueError(f"the closedloop server at {root} does not accept weights: restart it with "
                              "`closedloop serve ... --allow-weight-updates` (the trainer pushes its weights after each "
                              "update; without them rollouts would come from the initial policy)")
@@ -383,5 +389,6 @@ class _MainOnly:
             self.inner.close()
 
 
-__all__ = ["ClosedloopServerSync", "InProcessSync", "LiveSync", "LoopLocalClient", "VLLMServerSync", "WeightSync", "make_rollout_client",
+__all__ = ["ClosedloopServerSync", "InProcessSync", "LiveSync", "LoopLocalClient", "VLLMServerSync", "WeightSync",
+           "make_rollout_client",
            "make_weight_sync", "named_weights", "save_weights", "server_root"]

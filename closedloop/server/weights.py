@@ -97,7 +97,8 @@ def _check_against(model: Any, state: dict[str, Any]) -> None:
     if unexpected or missing:
         raise WeightsError(f"the weights do not fit the served model: unexpected {unexpected[:5]}, "
                            f"missing {missing[:5]}")
-    wrong = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items() if tuple(v.shape) != tuple(own[k].shape)]
+    wrong = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items()
+             if tuple(v.shape) != tuple(own[k].shape)]
     if wrong:
         k, got, want = wrong[0]
         raise WeightsError(f"{len(wrong)} tensors have the wrong shape, e.g. {k}: {got}, the served model has {want}")

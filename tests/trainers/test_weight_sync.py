@@ -104,7 +104,8 @@ def _served_greedy(url: str) -> tuple[list[int], list[float]]:
 
 
 def _local_greedy(client) -> tuple[list[int], list[float]]:
-    turn = asyncio.run(client.generate([UserMessage(content=PROMPT)], None, SamplingParams(temperature=0, max_tokens=24)))
+    params = SamplingParams(temperature=0, max_tokens=24)
+    turn = asyncio.run(client.generate([UserMessage(content=PROMPT)], None, params))
     return turn.completion_ids, turn.logprobs
 
 
