@@ -263,6 +263,7 @@ class LoopLocalClient(ModelClient):
         self._factory = factory
         self._client = factory()
         self._loop: Any = None
+        self.spec = self._client.spec  # recorded on turns and runs as the rollout model
 
     def current(self) -> ModelClient:
         loop = asyncio.get_running_loop()

@@ -148,6 +148,18 @@ def test_grpo_pushes_each_update_and_the_server_ends_serving_the_trained_model(w
     assert not (out / "weight_sync").exists(), "the sync directory is removed at the end"
 
 
+def test_the_openai_rollout_client_serves_one_event_loop_after_another(weight_server):
+    """The trainer runs each step's rollouts in a new ``asyncio.run``; the client must work in each."""
+    from closedloop.trainers.weight_sync import make_rollout_client
+
+    client = make_rollout_client(f"openai:tiny@{weight_server}")
+    params = SamplingParams(temperature=0, max_tokens=8)
+    turns = [asyncio.run(client.generate([UserMessage(content=PROMPT)], None, params)) for _ in range(3)]
+    assert all(t.completion_ids for t in turns)
+    assert len({tuple(t.completion_ids) for t in turns}) == 1
+    assert client.spec == f"openai:tiny@{weight_server}"
+
+
 def test_bad_directories_are_refused_whole(weight_server, tiny_model_path, tmp_path):
     before = _served_greedy(weight_server)
     assert _load(weight_server, "relative/dir").status_code == 400
