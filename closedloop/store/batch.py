@@ -12,6 +12,7 @@ table per store table (``INSERT ... SELECT`` over a registered Arrow table is a 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from dataclasses import dataclass
 from datetime import datetime
@@ -237,7 +238,7 @@ class Rows:
 
             types = _arrow_types()
             columns = list(zip(*rows))  # column-major, in C
-            arrow = pa.table({name: pa.array(values, type=types[table][name])
+            arrow = pa.table({name: _to_arrow(values, types[table][name])
                               for name, values in zip(_COLUMNS[table], columns)})
             view = f"_closedloop_batch_{table}"
             _finish_pending(con)
@@ -247,6 +248,26 @@ class Rows:
             finally:
                 _finish_pending(con)
                 con.unregister(view)
+
+
+_INT8_NONNEGATIVE = bytes(range(128))
+
+
+def _to_arrow(values: Sequence[Any], arrow_type: Any) -> Any:
+    """``pa.array(values, arrow_type)``; a loss-mask column (lists of 0/1) goes through ``bytes``,
+    2x faster than pyarrow's generic conversion of Python ints."""
+    import pyarrow as pa
+
+    if arrow_type == pa.list_(pa.int8()) and all(v is not None for v in values):
+        try:
+            flat = b"".join(map(bytes, values))  # ValueError for anything outside 0..255
+        except (ValueError, TypeError):
+            return pa.array(values, type=arrow_type)
+        if not flat.translate(None, _INT8_NONNEGATIVE):  # every byte fits int8
+            offsets = pa.array(list(itertools.accumulate(map(len, values), initial=0)), type=pa.int32())
+            return pa.ListArray.from_arrays(offsets, pa.Array.from_buffers(pa.int8(), len(flat),
+                                                                           [None, pa.py_buffer(flat)]))
+    return pa.array(values, type=arrow_type)
 
 
 def _finish_pending(con: duckdb.DuckDBPyConnection) -> None:

@@ -45,11 +45,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import duckdb
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 import closedloop
 from closedloop.config import default_store_path
-from closedloop.messages import (AssistantMessage, LogprobSpec, ToolCall, Trajectory, Turn, Usage, _Message,
+from closedloop.messages import (AssistantMessage, LogprobSpec, Message, ToolCall, Trajectory, Turn, Usage, _Message,
                                  parse_messages)
 from closedloop.store import pricing
 from closedloop.store.batch import (PreparedToolCall, PreparedTurn, Pricer, Rows, ensure_arrow, prepare_episode,
@@ -380,8 +380,8 @@ class RunStore:
     def _flush_pending(self) -> None:
         """Read-your-writes and ordering: queued steps commit before any direct write or read."""
         writer = self._writer
-        if writer is not None and (writer.pending or writer.errors):
-            writer.flush()
+        if writer is not None:
+            writer.flush()  # also waits for a batch the background thread is writing right now
             self._queued_errors.extend(writer.errors)
             writer.errors.clear()
 
@@ -618,15 +618,15 @@ class RunStore:
             self._reap(con)
             full = _resolve(con, run_id)
             summary = _summaries(con, "WHERE id = ?", [full])[0]
-            msgs = [json.loads(r[0]) for r in con.execute(
-                "SELECT json FROM messages WHERE run_id = ? ORDER BY idx", [full]).fetchall()]
+            msgs = _messages_from_json([r[0] for r in con.execute(
+                "SELECT json FROM messages WHERE run_id = ? ORDER BY idx", [full]).fetchall()])
             turns = [_turn_from_row(r) for r in con.execute(
                 f"SELECT {_TURN_READ} FROM turns WHERE run_id = ? ORDER BY idx", [full]).fetchall()]
             cur = con.execute("SELECT idx, turn_idx, call_id, name, arguments, result, error, error_kind, latency_s "
                               "FROM tool_calls WHERE run_id = ? ORDER BY idx", [full])
             cols = [d[0] for d in cur.description]
             calls = [ToolCallRecord(**dict(zip(cols, r))) for r in cur.fetchall()]
-            return RunRecord(**summary.model_dump(), messages=parse_messages(msgs), turns=turns, tool_calls=calls)
+            return RunRecord(**summary.model_dump(), messages=msgs, turns=turns, tool_calls=calls)
 
         return self._tx(read)
 
@@ -696,20 +696,20 @@ class RunStore:
             ids = [c[0] for c in chunk]
 
             def read(con: duckdb.DuckDBPyConnection) -> tuple[dict[str, list[Any]], dict[str, list[Turn]]]:
-                msgs: dict[str, list[Any]] = {i: [] for i in ids}
+                msgs: dict[str, list[str]] = {i: [] for i in ids}
                 turns: dict[str, list[Turn]] = {i: [] for i in ids}
                 for rid, js in con.execute("SELECT run_id, json FROM messages WHERE list_contains(?, run_id) "
                                            "ORDER BY run_id, idx", [ids]).fetchall():
-                    msgs[rid].append(json.loads(js))
+                    msgs[rid].append(js)
                 for row in con.execute(f"SELECT run_id, {_TURN_READ} FROM turns WHERE list_contains(?, run_id) "
                                        "ORDER BY run_id, idx", [ids]).fetchall():
                     turns[row[0]].append(_turn_from_row(row[1:]))
                 return msgs, turns
 
-            msgs, turns = self._tx(read)
+            msgs, turns = self._tx(read)  # decoded after the file is released
             for rid, rewards, step_rewards, md in chunk:
-                yield Trajectory(id=rid, messages=parse_messages(msgs[rid]), turns=turns[rid], rewards=rewards,
-                                 step_rewards=step_rewards, metadata=md)
+                yield Trajectory.model_construct(id=rid, messages=_messages_from_json(msgs[rid]), turns=turns[rid],
+                                                 rewards=rewards, step_rewards=step_rewards, metadata=md)
 
     def list_runs(self, limit: int | None = 50, status: str | None = None, graph: str | None = None,
                   kind: str | None = None, parent_id: str | None = None, tag: str | None = None) -> list[RunSummary]:
@@ -1010,13 +1010,31 @@ def _resolve(con: duckdb.DuckDBPyConnection, prefix: str) -> str:
     return rows[0][0]
 
 
+_MESSAGES = TypeAdapter(list[Message])
+
+
+def _messages_from_json(rows: list[str]) -> list[Any]:
+    """Stored message JSON back to typed messages: one validation in pydantic-core per run."""
+    return _MESSAGES.validate_json("[" + ",".join(rows) + "]") if rows else []
+
+
 def _turn_from_row(row: tuple[Any, ...]) -> Turn:
+    """A stored turn as a :class:`Turn`.
+
+    The row was written from a validated ``Turn`` and DuckDB's column types hold it (integer
+    and float lists, JSON), so the turn is constructed without re-validating every token id: that
+    validation was most of the cost of reading trajectories back. The message and logprob spec are
+    parsed (from JSON, in pydantic-core).
+    """
     (model, message, prompt_ids, completion_ids, logprobs, loss_mask, completion_text, finish_reason,
      prompt_tokens, completion_tokens, cost, latency, spec, trainable, purpose, unavailable) = row
-    return Turn(message=AssistantMessage(**json.loads(message)), model=model or "", prompt_ids=prompt_ids,
-                completion_ids=completion_ids, logprobs=logprobs, loss_mask=loss_mask,
-                logprob_spec=LogprobSpec.model_validate_json(spec) if spec else None,
-                completion_text=completion_text, finish_reason=finish_reason,
-                usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cost_usd=cost),
-                latency_s=latency, trainable=True if trainable is None else bool(trainable),
-                purpose=purpose or "policy", unavailable=_loads(unavailable) or {})
+    if loss_mask is None and prompt_ids is not None and completion_ids is not None:
+        loss_mask = [0] * len(prompt_ids) + [1] * len(completion_ids)  # what Turn's validator would fill in
+    return Turn.model_construct(
+        message=AssistantMessage.model_validate_json(message), model=model or "", prompt_ids=prompt_ids,
+        completion_ids=completion_ids, logprobs=logprobs, loss_mask=loss_mask,
+        logprob_spec=LogprobSpec.model_validate_json(spec) if spec else None,
+        completion_text=completion_text, finish_reason=finish_reason,
+        usage=Usage.model_construct(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cost_usd=cost),
+        latency_s=latency, trainable=True if trainable is None else bool(trainable),
+        purpose=purpose or "policy", unavailable=_loads(unavailable) or {})

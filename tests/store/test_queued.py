@@ -126,25 +126,27 @@ def test_a_killed_queued_writer_is_marked_killed_with_what_it_committed(store_pa
 
 
 STEADY_FAST_WRITER = """
-import sys, time
+import os, sys, time
 from closedloop.messages import AssistantMessage, Turn
 from closedloop.store import RunStore
 
 store = RunStore(sys.argv[1], flush_interval_s=0.02)
-n = int(sys.argv[2])
 run_id = store.start_run(kind="train")
 print(run_id, flush=True)
-for i in range(n):
+i = 0
+while not os.path.exists(sys.argv[2]) and i < 3000:  # until the reader has seen the run mid-way
     store.log_step(run_id, turns=[Turn(message=AssistantMessage(content=str(i)), prompt_ids=[i], completion_ids=[i])])
+    i += 1
     time.sleep(0.01)
 store.finish_run(run_id)
+print(i, flush=True)
 """
 
 
-def test_another_process_reads_while_the_background_writer_commits(store_path):
+def test_another_process_reads_while_the_background_writer_commits(store_path, tmp_path):
     RunStore(store_path)
-    n = 40
-    writer = subprocess.Popen([sys.executable, "-c", STEADY_FAST_WRITER, str(store_path), str(n)], cwd=REPO,
+    flag = tmp_path / "seen"
+    writer = subprocess.Popen([sys.executable, "-c", STEADY_FAST_WRITER, str(store_path), str(flag)], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         run_id = writer.stdout.readline().strip()
@@ -155,12 +157,17 @@ def test_another_process_reads_while_the_background_writer_commits(store_path):
             rec = reader.get_run(run_id)
             assert rec.prompt_tokens == len(rec.turns)  # totals and rows commit together
             assert [t.message.text for t in rec.turns] == [str(i) for i in range(len(rec.turns))]
-            seen.append(len(rec.turns))
+            seen.append((len(rec.turns), rec.status))
+            if rec.turns and rec.status == "running":
+                flag.touch()
             time.sleep(0.02)  # a reader polling as `runs show` would; a tight loop could starve the writer
-        assert writer.wait(timeout=60) == 0, writer.stderr.read()
+        out, err = writer.communicate(timeout=60)
+        assert writer.returncode == 0, err
     finally:
         if writer.poll() is None:
             writer.kill()
-    assert seen == sorted(seen) and any(0 < k < n for k in seen), seen
+    n = int(out.strip())
+    counts = [k for k, _ in seen]
+    assert counts == sorted(counts) and any(k > 0 and status == "running" for k, status in seen), seen
     final = reader.get_run(run_id)
     assert final.status == "completed" and len(final.turns) == n

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import duckdb
 import pytest
 
@@ -98,3 +100,53 @@ def test_no_secret_anywhere_in_the_store(tmp_path, monkeypatch):
         for f in (tmp_path / "pq").iterdir():
             assert secret.encode() not in f.read_bytes()
     assert dumped.count(REDACTED) >= 10
+
+
+_SAMPLES = [OPENAI_KEY, HF_TOKEN, "Bearer abcdefgh12345678", "ghp_" + "a" * 36, "AKIA" + "B" * 16,
+            "xoxb-1234567890-abc", "AIza" + "c" * 35]
+
+
+@pytest.mark.parametrize("text", [f"see {s} here" for s in _SAMPLES] + [
+    '{"api_key": "abc"}', '{"apiKey": "abc"}', '{"x-api-key": "v"}', '{"password": "p"}', '{"Authorization": "x"}',
+    '{"client_secret": "s"}', '{"access_key": "k"}', "HF_TOKEN: xyz"])
+def test_the_fast_check_flags_everything_a_rule_would_change(text):
+    from closedloop.store.redact import might_hold_secret
+
+    changed = redact_text(text) != text or redact_arguments(text) != text
+    assert changed and might_hold_secret(text, [])
+    assert might_hold_secret(json.dumps({"content": text}), [])  # also inside serialised JSON
+
+
+def test_the_fast_check_passes_plain_text_and_checks_env_secrets():
+    from closedloop.store.redact import might_hold_secret
+
+    plain = '{"role": "assistant", "content": "The sum is 7.", "tool_calls": null}'
+    assert not might_hold_secret(plain, [])
+    assert might_hold_secret(plain.replace("sum", "plainvalue-42-zz"), ["plainvalue-42-zz"])
+    assert might_hold_secret(plain, ['needs"escaping'])  # unknown JSON form: always take the full path
+
+
+@pytest.mark.parametrize("path", ["record_trajectories", "log_step"])
+def test_bulk_and_queued_writes_redact_like_direct_ones(tmp_path, monkeypatch, path):
+    monkeypatch.setenv("MY_SERVICE_TOKEN", "plainvalue-42-zz")
+    call = ToolCall.make("login", {"user": "bob", "password": "hunter22-secret"})
+    turn = Turn(message=AssistantMessage(content=f"echo {OPENAI_KEY}", tool_calls=[call]),
+                completion_text=f"echo {OPENAI_KEY} plainvalue-42-zz", prompt_ids=[1], completion_ids=[2])
+    messages = [UserMessage(content=f"my key is {HF_TOKEN}"), turn.message,
+                ToolMessage(tool_call_id=call.id, content="ok plainvalue-42-zz"), AssistantMessage(content="plain")]
+    store = RunStore(tmp_path / "runs.duckdb")
+    if path == "record_trajectories":
+        from closedloop.messages import Trajectory
+
+        [rid] = store.record_trajectories([Trajectory(messages=messages, turns=[turn])])
+    else:
+        rid = store.start_run()
+        store.log_step(rid, messages, [turn], [(call, ToolResult("login", f"bad {OPENAI_KEY}"), None)])
+        store.finish_run(rid)
+    rec = store.get_run(rid)
+    assert rec.messages[-1].text == "plain" and rec.messages[0].text == f"my key is {REDACTED}"
+    assert json.loads(rec.turns[0].message.tool_calls[0].function.arguments)["password"] == REDACTED
+    store.close()
+    raw = (tmp_path / "runs.duckdb").read_bytes()
+    for secret in (OPENAI_KEY, HF_TOKEN, "hunter22-secret", "plainvalue-42-zz"):
+        assert secret.encode() not in raw
