@@ -6,7 +6,10 @@
 (b) interactive: a coroutine records ``--steps`` graph steps (tool-call turn + tool message + tool
     record) through ``StoreRecorder.record`` like ``run_graph`` does, while a ticker task measures
     how late the event loop wakes it. Reported: time spent inside ``record`` per turn (the loop is
-    blocked for exactly that), the ticker's lag, and the final ``finish_run`` (flush + finish).
+    blocked for exactly that), the ticker's lag (compare the no-recording baseline: on a shared
+    machine most of it is the OS scheduler; with recording, the writer thread's Python work holds
+    the GIL for up to one switch interval, 5 ms), and the final ``finish_run`` (flush + finish,
+    blocking: call it from a thread in async code).
 (c) the per-call path as it was: ``log_messages`` + ``log_turn`` + ``log_tool_call`` per step,
     each opening the file, on the loop: the peer for (a) and (b).
 
@@ -89,7 +92,9 @@ async def _ticker(lags: list[float], stop: asyncio.Event, period: float = 0.002)
         lags.append(time.perf_counter() - t0 - period)
 
 
-async def bench_interactive(path: Path, steps: int, tokens: int, queued: bool) -> dict[str, float]:
+async def bench_interactive(path: Path, steps: int, tokens: int, mode: str) -> dict[str, float]:
+    """``mode``: "queued" (StoreRecorder), "sync" (the old per-call recorder) or "none" (the same
+    loop without recording: the loop-lag baseline of this machine)."""
     store = RunStore(path)
     run_id = store.start_run(kind="run", graph="react")
     recorder = StoreRecorder(store, run_id)
@@ -101,9 +106,9 @@ async def bench_interactive(path: Path, steps: int, tokens: int, queued: bool) -
     t_all = time.perf_counter()
     for messages, turns, records in prepared:
         t0 = time.perf_counter()
-        if queued:
+        if mode == "queued":
             recorder.record(messages, turns, records)
-        else:  # the old StoreRecorder: one connection per call, on the loop
+        elif mode == "sync":  # the old StoreRecorder: one connection per call, on the loop
             store.log_messages(run_id, messages)
             for t in turns:
                 store.log_turn(run_id, t)
@@ -112,14 +117,15 @@ async def bench_interactive(path: Path, steps: int, tokens: int, queued: bool) -
                                     ToolResult(r.name, r.content, latency_s=r.latency_s), r.turn_idx)
         costs.append(time.perf_counter() - t0)
         await asyncio.sleep(0.001)  # the model and tools would run here
+    stop.set()  # the lag measured is the recording's; finish_run (flush + finish) is timed on its own
+    await ticker
     t0 = time.perf_counter()
     store.finish_run(run_id)
     finish = time.perf_counter() - t0
     total = time.perf_counter() - t_all
-    stop.set()
-    await ticker
     rec = store.get_run(run_id)
-    assert len(rec.turns) == steps and len(rec.tool_calls) == steps and len(rec.messages) == 2 * steps
+    if mode != "none":
+        assert len(rec.turns) == steps and len(rec.tool_calls) == steps and len(rec.messages) == 2 * steps
     store.close()
     costs.sort()
     lags.sort()
@@ -144,9 +150,10 @@ def main() -> None:
             bulk = bench_bulk(tmp / "bulk.duckdb", args.episodes, args.turns, args.tokens)
             bulk_mem = bench_bulk(":memory:", args.episodes, args.turns, args.tokens)
         with console.status("interactive path (queued) ..."):
-            fast = asyncio.run(bench_interactive(tmp / "fast.duckdb", args.steps, args.tokens, queued=True))
+            none = asyncio.run(bench_interactive(tmp / "none.duckdb", args.steps, args.tokens, "none"))
+            fast = asyncio.run(bench_interactive(tmp / "fast.duckdb", args.steps, args.tokens, "queued"))
         with console.status("old per-call path ..."):
-            old = asyncio.run(bench_interactive(tmp / "old.duckdb", args.old_steps, args.tokens, queued=False))
+            old = asyncio.run(bench_interactive(tmp / "old.duckdb", args.old_steps, args.tokens, "sync"))
 
     table = Table(title=f"run store: {args.episodes} episodes x {args.turns} turns x {args.tokens} tokens; "
                         f"{args.steps} interactive steps")
@@ -160,7 +167,8 @@ def main() -> None:
                   f"{bulk_mem['turns_per_cpu_s']:,.0f}", *dash)
     table.add_row("bulk read iter_trajectories, file", f"{bulk['read_turns_per_s']:,.0f}",
                   f"{bulk['read_turns_per_cpu_s']:,.0f}", *dash)
-    for name, r in (("StoreRecorder.record (queued)", fast), ("old per-call log_* (sync)", old)):
+    for name, r in (("no recording (baseline loop)", none), ("StoreRecorder.record (queued)", fast),
+                    ("old per-call log_* (sync)", old)):
         table.add_row(name, f"{r['turns_per_s']:,.0f}", "-", f"{r['mean_ms']:.3f}", f"{r['p50_ms']:.3f}",
                       f"{r['p99_ms']:.3f}", f"{r['max_ms']:.3f}", f"{r['lag_p99_ms']:.2f}", f"{r['finish_ms']:.1f}")
     console.print(table)

@@ -60,12 +60,17 @@ class BackgroundWriter:
 
     def submit_many(self, ops: Sequence[Any]) -> None:
         with self._cond:
+            was_empty = not self._pending
             self._pending.extend(ops)
             if self._thread is None or not self._thread.is_alive():
                 self._closing = False
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif was_empty:
+                # Wake the thread only from its idle wait: a notify during the gathering window
+                # would wake it for nothing, and every wake-up is a GIL hand-off the caller's
+                # thread (an event loop) then waits for.
+                self._cond.notify()
 
     def flush(self) -> None:
         """Commit everything submitted so far, in the calling thread; raises what the write raised."""
