@@ -837,6 +837,14 @@ class ActiveRun:
     def log_tool_call(self, call: ToolCall, result: ToolResult, turn_idx: int | None = None) -> int:
         return self.store.log_tool_call(self._run_id(), call, result, turn_idx)
 
+    def log_step(self, messages: Sequence[_Message | dict[str, Any]] = (), turns: Sequence[Turn] = (),
+                 tool_calls: Sequence[tuple[ToolCall, ToolResult, int | None]] = ()) -> None:
+        self.store.log_step(self._run_id(), messages, turns, tool_calls)
+
+    def log_metrics(self, step: int | Iterable[tuple[int, Mapping[str, float]]],
+                    metrics: Mapping[str, float] | None = None, *, wait: bool = True) -> int:
+        return self.store.log_metrics(self._run_id(), step, metrics, wait=wait)
+
     def finish(self, status: str = "completed", outcome: Mapping[str, Any] | None = None,
                error: BaseException | str | None = None) -> None:
         self.store.finish_run(self._run_id(), status, {**self.outcome, **dict(outcome or {})}, error)
@@ -902,6 +910,17 @@ class _EpisodeSpec:
 
 # Stores with a background writer, flushed at interpreter exit (atexit runs before daemon threads die).
 _open_stores: "weakref.WeakSet[RunStore]" = weakref.WeakSet()
+
+
+def _forget_queues_in_child() -> None:
+    """A forked child must not write its parent's queued steps a second time (the parent will)."""
+    for store in list(_open_stores):
+        store._writer = None
+    _open_stores.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_queues_in_child)
 
 
 @atexit.register

@@ -9,6 +9,11 @@ blocked by the store) and this thread commits everything queued so far in one tr
 ``interval_s``, opening the file once per batch and closing it again. Another process waits at
 most one batch (tens of ms) for its turn, as before.
 
+The thread's Python work (serialising and redacting what was queued) shares the GIL with the
+caller's thread, so an event loop can wait up to one switch interval (5 ms) now and then; the
+thread is woken only when the queue goes from empty to non-empty, not per write, to keep such
+hand-offs rare. Forked children drop the queue they inherited (the parent writes it).
+
 The price is a bounded window: a process that is SIGKILLed (or dies on SIGTERM without running
 ``atexit``) loses what it queued in its last ``interval_s`` plus the time of one write. Its run
 still shows as ``killed`` (the run row is written synchronously by ``start_run``) with

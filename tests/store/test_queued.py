@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -171,3 +172,22 @@ def test_another_process_reads_while_the_background_writer_commits(store_path, t
     assert counts == sorted(counts) and any(k > 0 and status == "running" for k, status in seen), seen
     final = reader.get_run(run_id)
     assert final.status == "completed" and len(final.turns) == n
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_write_its_parents_queue_again(store_path):
+    store = RunStore(store_path, flush_interval_s=60)
+    rid = store.start_run()
+    store.log_step(rid, [UserMessage(content="once")])
+    pid = os.fork()
+    if pid == 0:  # the child runs what a normal exit runs (the store's atexit flush), then leaves
+        from closedloop.store.store import _flush_at_exit
+
+        try:
+            _flush_at_exit()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    store.finish_run(rid)
+    assert [m.text for m in store.get_run(rid).messages] == ["once"]
