@@ -196,6 +196,19 @@ def _std(xs: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
+def _nothing_to_train(batch: RolloutBatch, accel: Any) -> bool:
+    """True when no process has a trained token this step (all must agree under DDP, or the
+    processes that skip would leave the others waiting in the gradient all-reduce)."""
+    local = torch.tensor([float(batch.loss_mask.sum() > 0) if len(batch) else 0.0], device=accel.device)
+    if accel.num_processes == 1:
+        return not bool(local.item())
+    anyone = float(accel.reduce(local, reduction="sum").item())
+    if anyone and not local.item():
+        raise RuntimeError("this process has no trainable tokens in its rollout batch while others do; "
+                           "raise prompts_per_step or check for failing episodes (metadata['error'])")
+    return anyone == 0
+
+
 def make_env_factory(name: str, options: dict[str, Any]) -> EnvFactory:
     from closedloop.evals.envs import make_env
 
@@ -264,6 +277,12 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
                                  batch.advantages.to(device), batch.rows_per_episode, batch.truncated_tokens,
                                  batch.stats)
             session.record_trajectories([e.trajectory for g in groups for e in g.episodes], step)
+            if _nothing_to_train(batch, accel):  # e.g. every episode failed: report it, do not crash
+                metrics = {**_episode_stats(groups, batch), "skipped_update": 1.0, "rollout_s": t_roll,
+                           "step_s": time.perf_counter() - t0}
+                history.append({"step": step + 1, **metrics})
+                session.log(step + 1, metrics)
+                continue
             unwrapped.train()
             micro = config.per_device_batch_size
             old = batch.old_logps

@@ -128,9 +128,7 @@ class TrainingSession:
         from closedloop.trainers import checkpoint as ckpt
 
         self.save(self.step)
-        if self.is_main:
-            ckpt.save_hf_model(self.model, self.tokenizer, self.output_dir, accelerator=self.accelerator)
-        self.accelerator.wait_for_everyone()
+        ckpt.save_final_model(self.model, self.tokenizer, self.output_dir, accelerator=self.accelerator)
         return self.output_dir
 
     def finish(self, status: str = "completed") -> None:

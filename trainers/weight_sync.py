@@ -46,12 +46,11 @@ wait; sharded parameters (FSDP, ZeRO-3) are not gathered here, unlike TRL.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 from closedloop.models.base import ModelClient
 
@@ -252,55 +251,16 @@ def _error_message(r: Any) -> str:
 # --------------------------------------------------------------------------- choosing
 
 
-class LoopLocalClient(ModelClient):
-    """One underlying client per event loop, for a client whose connections belong to the loop
-    that opened them (``openai:``: the SDK's httpx pool). The trainer runs each step's rollouts
-    in a fresh ``asyncio.run``; reusing the previous step's pooled connections there fails with
-    "Event loop is closed" on every other step. A new loop gets a new client (what the client
-    learnt about the server is kept per URL by :mod:`closedloop.models.server_features`)."""
-
-    def __init__(self, factory: Callable[[], ModelClient]) -> None:
-        self._factory = factory
-        self._client = factory()
-        self._loop: Any = None
-        self.spec = self._client.spec  # recorded on turns and runs as the rollout model
-
-    def current(self) -> ModelClient:
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            if self._loop is not None:
-                self._client = self._factory()
-            self._loop = loop
-        return self._client
-
-    async def generate(self, messages, tools=None, params=None, tool_choice=None):  # type: ignore[override]
-        return await self.current().generate(messages, tools, params, tool_choice)
-
-    async def stream(self, messages, tools=None, params=None, tool_choice=None):  # type: ignore[override]
-        async for event in self.current().stream(messages, tools, params, tool_choice):
-            yield event
-
-    async def batch(self, requests):  # type: ignore[override]
-        return await self.current().batch(requests)
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
-
-    def __getattr__(self, name: str) -> Any:  # spec, name, features, ... of the current client
-        return getattr(self.__dict__["_client"], name)
-
-
 def make_rollout_client(spec: str, **kwargs: Any) -> ModelClient:
     """The client for ``GRPOConfig.rollout_model``: a ``vllm:`` engine is built in-process
-    (``weight_updates=True``) so the trainer can load weights into it; an ``openai:`` client is
-    made per event loop (:class:`LoopLocalClient`)."""
+    (``weight_updates=True``) so the trainer can load weights into it; any other spec is the
+    ordinary client (``openai:`` keeps one connection pool per event loop, so each rollout
+    batch's ``asyncio.run`` is fine)."""
     from closedloop.models import make_client, parse_spec
 
     backend = parse_spec(spec).backend
     if backend == "vllm":
         kwargs.setdefault("weight_updates", True)
-    if backend == "openai":
-        return LoopLocalClient(lambda: make_client(spec, **kwargs))
     return make_client(spec, **kwargs)
 
 
@@ -390,6 +350,6 @@ class _MainOnly:
             self.inner.close()
 
 
-__all__ = ["ClosedloopServerSync", "InProcessSync", "LiveSync", "LoopLocalClient", "VLLMServerSync", "WeightSync",
+__all__ = ["ClosedloopServerSync", "InProcessSync", "LiveSync", "VLLMServerSync", "WeightSync",
            "make_rollout_client",
            "make_weight_sync", "named_weights", "save_weights", "server_root"]

@@ -23,6 +23,7 @@ import functools
 import importlib
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal
 
@@ -138,12 +139,36 @@ class OpenAIClient(ModelClient):
         self.extra_body = dict(extra_body or {})
         # OpenAI's newer models reject max_tokens; many OpenAI-compatible servers only know it.
         self._max_tokens_field = "max_completion_tokens" if self.base_url is None else "max_tokens"
-        self._sem = asyncio.Semaphore(concurrency)
-        http = _http_client_class()(connect_grace_s=connect_grace_s, connect_attempts=max_retries + 1,
-                                    backoff=Backoff(backoff_s, max_backoff_s))
-        self._client = openai.AsyncOpenAI(api_key=key, base_url=self.base_url, max_retries=max_retries,
-                                          timeout=openai.Timeout(timeout_s, connect=connect_timeout_s),
-                                          http_client=http)
+        self._concurrency = concurrency
+
+        def make_sdk() -> openai.AsyncOpenAI:
+            http = _http_client_class()(connect_grace_s=connect_grace_s, connect_attempts=max_retries + 1,
+                                        backoff=Backoff(backoff_s, max_backoff_s))
+            return openai.AsyncOpenAI(api_key=key, base_url=self.base_url, max_retries=max_retries,
+                                      timeout=openai.Timeout(timeout_s, connect=connect_timeout_s), http_client=http)
+
+        self._make_sdk = make_sdk
+        # The SDK's connection pool and our semaphore belong to the event loop that first used
+        # them; one client used from several loops (a trainer runs each rollout batch in its own
+        # asyncio.run) gets one SDK client per loop, dropped with its loop.
+        self._per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
+                                                  tuple[openai.AsyncOpenAI, asyncio.Semaphore]] = \
+            weakref.WeakKeyDictionary()
+
+    def _loop_state(self) -> tuple[openai.AsyncOpenAI, asyncio.Semaphore]:
+        loop = asyncio.get_running_loop()
+        state = self._per_loop.get(loop)
+        if state is None:
+            state = self._per_loop[loop] = (self._make_sdk(), asyncio.Semaphore(self._concurrency))
+        return state
+
+    @property
+    def _client(self) -> openai.AsyncOpenAI:
+        return self._loop_state()[0]
+
+    @property
+    def _sem(self) -> asyncio.Semaphore:
+        return self._loop_state()[1]
 
     def __repr__(self) -> str:  # never shows the key
         return f"OpenAIClient({self.model!r}, base_url={self.url!r})"
@@ -425,4 +450,7 @@ class OpenAIClient(ModelClient):
                                            for r in requests)))
 
     async def aclose(self) -> None:
-        await self._client.close()
+        loop = asyncio.get_running_loop()
+        state = self._per_loop.pop(loop, None)
+        if state is not None:
+            await state[0].close()

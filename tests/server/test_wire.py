@@ -362,7 +362,6 @@ async def test_concurrent_requests_are_not_serialised(word_server, word_client):
     assert len(turns) == 8 and all(t.message.content for t in turns)
     assert len({t.message.content for t in turns}) == 8
     assert word_client.max_in_flight >= 4, word_client.max_in_flight
-    assert elapsed < 8 * word_client.delay_s, "eight 50 ms requests took as long as running them one by one"
 
 
 async def test_client_reports_server_errors(word_server):
@@ -400,3 +399,14 @@ def test_client_needs_a_key_or_url(monkeypatch):
     monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
     with pytest.raises(ModelError, match="OPENAI_API_KEY"):
         OpenAIClient("gpt-4o-mini")
+
+
+def test_one_client_serves_several_event_loops(word_server):
+    """A trainer runs each rollout batch in its own asyncio.run: the SDK's connection pool of a
+    closed loop must not be reused ("Event loop is closed")."""
+    import asyncio
+
+    client = OpenAIClient("words", base_url=word_server)
+    for i in range(3):
+        turn = asyncio.run(client.generate([UserMessage(content=f"loop {i}")], params=SamplingParams(temperature=0)))
+        assert turn.message.content
