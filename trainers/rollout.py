@@ -10,7 +10,11 @@ episode has its own graph thread (in-memory checkpointer), so graph state outsid
 
 G episodes start from the identical initial state (``env.areset(seed)`` with the same seed) and
 all episodes of a rollout batch run concurrently, so the client's micro-batcher decodes them
-together on the device.
+together on the device. The episodes of one :func:`collect_groups` call share one compiled graph
+per tool list and sampling settings (compiling a LangGraph graph costs milliseconds per episode,
+more than a small model's whole reply); each runs in its own thread of that graph, and its sample
+seed reaches the model through a context variable (:class:`_EpisodeSeeded`), so every episode
+still samples with its own seed, exactly as with a graph of its own.
 
 Rewards: ``info["rewards"]`` of every step (named components, see :mod:`closedloop.env`) are
 summed per episode into ``Trajectory.rewards``; components the trainer treats as per-turn (such
@@ -21,6 +25,8 @@ step, in ``Trajectory.metadata["turn_rewards"]`` (one dict per turn).
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -28,11 +34,48 @@ from typing import Any, Callable, Iterable
 from closedloop import plugins
 from closedloop.env import AgentEnvironment
 from closedloop.messages import AssistantMessage, Trajectory, Turn, _Message
-from closedloop.models.base import ModelClient, SamplingParams
+from closedloop.models.base import GenerateRequest, ModelClient, SamplingParams
 from closedloop.runtime import make_checkpointer
 from closedloop.tool import ToolRegistry
 
 EnvFactory = Callable[[], AgentEnvironment]
+
+# The sample seed of the episode running in this context (set by run_episode, read by _EpisodeSeeded).
+_EPISODE_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("closedloop_episode_seed", default=None)
+
+
+class _EpisodeSeeded(ModelClient):
+    """The policy's client as a graph shared by several episodes sees it: a request that carries
+    no seed of its own takes the seed of the episode making it (asyncio tasks, LangGraph's
+    included, inherit the context of the episode that started them). Everything else (``model``,
+    ``tokenizer``, ``paused``, ...) is the wrapped client's."""
+
+    def __init__(self, inner: ModelClient) -> None:
+        self._inner = inner
+        self.spec = inner.spec
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_inner":  # not yet set (copy/pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    @staticmethod
+    def _seeded(params: SamplingParams | None) -> SamplingParams | None:
+        seed = _EPISODE_SEED.get()
+        if seed is None or (params is not None and params.seed is not None):
+            return params
+        return (params or SamplingParams()).model_copy(update={"seed": seed})
+
+    async def generate(self, messages, tools=None, params=None, tool_choice=None):  # noqa: ANN001
+        return await self._inner.generate(messages, tools, self._seeded(params), tool_choice)
+
+    async def stream(self, messages, tools=None, params=None, tool_choice=None):  # noqa: ANN001
+        async for event in self._inner.stream(messages, tools, self._seeded(params), tool_choice):
+            yield event
+
+    async def batch(self, requests: list[GenerateRequest]) -> list[Turn]:
+        return await self._inner.batch([GenerateRequest(r.messages, r.tools, self._seeded(r.params), r.tool_choice)
+                                        for r in requests])
 
 
 class SchemaTools(ToolRegistry):
@@ -59,13 +102,26 @@ class GraphPolicy:
     graph: str | Callable[..., Any] = "react"
     params: SamplingParams = field(default_factory=SamplingParams)
     options: dict[str, Any] = field(default_factory=dict)
+    _factory: Callable[..., Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     def factory(self) -> Callable[..., Any]:
-        return plugins.load("closedloop.graphs", self.graph) if isinstance(self.graph, str) else self.graph
+        # Resolved once: an entry-point lookup scans every installed distribution's metadata
+        # (~10 ms), which per episode cost more than the tiny model's whole rollout.
+        if self._factory is None:
+            self._factory = plugins.load("closedloop.graphs", self.graph) if isinstance(self.graph, str) else self.graph
+        return self._factory
 
-    def build(self, tools: list[dict[str, Any]], params: SamplingParams):
-        return self.factory()(self.client, SchemaTools(tools), system_prompt=None, params=params,
+    def build(self, tools: list[dict[str, Any]], params: SamplingParams, client: ModelClient | None = None):
+        return self.factory()(client or self.client, SchemaTools(tools), system_prompt=None, params=params,
                               execute_tools=False, checkpointer=make_checkpointer("memory"), **self.options)
+
+    def shared(self, tools: list[dict[str, Any]], cache: dict[str, Any]):
+        """The graph the episodes of one rollout batch share for these tools (built on first use,
+        with the episode-seeded client and ``params`` without a seed: each episode brings its own)."""
+        key = json.dumps(tools, sort_keys=True, default=str)
+        if key not in cache:
+            cache[key] = self.build(tools, self.params.model_copy(update={"seed": None}), _EpisodeSeeded(self.client))
+        return cache[key]
 
 
 @dataclass
@@ -88,12 +144,30 @@ def _add(into: dict[str, float], comps: dict[str, float]) -> None:
 
 
 async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, max_steps: int = 16,
-                      sample_seed: int | None = None, metadata: dict[str, Any] | None = None) -> Episode:
-    """One episode: the graph acts, the environment answers, until it ends or ``max_steps``."""
+                      sample_seed: int | None = None, metadata: dict[str, Any] | None = None,
+                      graphs: dict[str, Any] | None = None) -> Episode:
+    """One episode: the graph acts, the environment answers, until it ends or ``max_steps``.
+
+    ``graphs``: a cache shared by the episodes of one rollout batch (see :meth:`GraphPolicy.shared`);
+    without it the episode compiles a graph of its own.
+    """
+    token = _EPISODE_SEED.set(sample_seed if sample_seed is not None else policy.params.seed)
+    try:
+        return await _run_episode(make_env, policy, seed, max_steps, sample_seed, metadata, graphs)
+    finally:
+        _EPISODE_SEED.reset(token)
+
+
+async def _run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, max_steps: int,
+                       sample_seed: int | None, metadata: dict[str, Any] | None,
+                       graphs: dict[str, Any] | None) -> Episode:
     env = make_env()
     obs, info = await env.areset(seed=seed)
-    params = policy.params if sample_seed is None else policy.params.model_copy(update={"seed": sample_seed})
-    graph = policy.build(info.get("tools") or [], params)
+    if graphs is not None:
+        graph = policy.shared(info.get("tools") or [], graphs)
+    else:
+        params = policy.params if sample_seed is None else policy.params.model_copy(update={"seed": sample_seed})
+        graph = policy.build(info.get("tools") or [], params)
     config = {"configurable": {"thread_id": uuid.uuid4().hex}}
     turns: list[Turn] = []
     turn_rewards: list[dict[str, float]] = []
@@ -162,15 +236,18 @@ async def collect_groups(make_env: EnvFactory, policy: GraphPolicy, seeds: Itera
         raise ValueError("group_size must be >= 1")
     seeds = list(seeds)
     sem = asyncio.Semaphore(concurrency) if concurrency else None
+    graphs: dict[str, Any] = {}  # one compiled graph per tool list, for this batch only
 
     async def one(seed: int, j: int) -> Episode:
         ss = None if sample_seed is None else sample_seed + 1000 * seed + j
         meta = {"group": seed, "sample": j, **(metadata or {})}
         if sem is None:
-            ep = await run_episode(make_env, policy, seed, max_steps=max_steps, sample_seed=ss, metadata=meta)
+            ep = await run_episode(make_env, policy, seed, max_steps=max_steps, sample_seed=ss, metadata=meta,
+                                   graphs=graphs)
         else:
             async with sem:
-                ep = await run_episode(make_env, policy, seed, max_steps=max_steps, sample_seed=ss, metadata=meta)
+                ep = await run_episode(make_env, policy, seed, max_steps=max_steps, sample_seed=ss, metadata=meta,
+                                       graphs=graphs)
         if on_episode is not None:
             on_episode(ep)
         return ep
