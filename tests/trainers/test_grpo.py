@@ -152,3 +152,35 @@ def test_reward_functions_are_named_components(tmp_path):
     assert "completion_tokens" in spec.functions and spec.w("completion_tokens") == -0.01
     with pytest.raises(ValueError, match="module:function"):
         reward_spec(GRPOConfig(model="m", output_dir=str(tmp_path), reward_funcs=["nocolon"]))
+
+
+def test_ctrl_c_saves_and_resume_continues_the_same_run(tiny_model_path, tmp_path):
+    """The first SIGINT finishes the step, saves checkpoint-<step> and stops; resume='auto' picks up
+    at the next step, draws the seeds it would have drawn, and reopens the same store run."""
+    import os
+    import signal
+
+    from closedloop.store import RunStore
+    from closedloop.trainers.checkpoint import latest_checkpoint
+
+    store_path = tmp_path / "runs.duckdb"
+    common = dict(model=str(tiny_model_path), output_dir=str(tmp_path / "out"), store=str(store_path), env="calc",
+                  prompts_per_step=2, num_generations=2, max_steps=3, max_env_steps=2, max_new_tokens=24,
+                  learning_rate=1e-3, per_device_batch_size=4, seed=3, torch_threads=1)
+
+    def interrupt_after_first(step, metrics):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    first = train_grpo(GRPOConfig(**common), on_step=interrupt_after_first)
+    assert first.steps == 1 and [h["step"] for h in first.history] == [1]
+    assert latest_checkpoint(tmp_path / "out").name == "checkpoint-1"
+    store = RunStore(store_path)
+    assert store.get_run(first.run_id).status == "interrupted"
+    second = train_grpo(GRPOConfig(**common, resume="auto"))
+    assert [h["step"] for h in second.history] == [2, 3]
+    assert second.run_id == first.run_id
+    assert store.get_run(first.run_id).status == "completed"
+    steps_with_rollouts = {t for r in store.list_runs(limit=None) if r.parent_id == first.run_id
+                           for t in r.tags if t.startswith("step:")}
+    assert steps_with_rollouts == {"step:0", "step:1", "step:2"}
