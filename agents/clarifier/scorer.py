@@ -2,9 +2,14 @@
 
 The conversation is rendered with the scorer's chat template, followed by a fixed request to state
 the user's goal and the start of the answer; the goal string's tokens are then scored one by one
-(sum of their log-probabilities). The scorer is a *snapshot*: its parameters are copied and
-frozen at construction, so a policy update (even to the model it was copied from) cannot change
-the reward it computes.
+(sum of their log-probabilities). The answer is tokenised as one string, as the model writes it:
+with byte-level BPE the prefix's trailing space belongs to the goal's first word (``' return'``),
+so the prefix and the goal tokenised apart would score a token sequence the model never produces
+(a lone ``' '`` then ``'return'``). The tokens the prefix alone and prefix + goal share are the
+context; the rest, including that space, are the goal's tokens.
+
+The scorer is a *snapshot*: its parameters are copied and frozen at construction, so a policy
+update (even to the model it was copied from) cannot change the reward it computes.
 """
 
 from __future__ import annotations
@@ -39,14 +44,27 @@ class GoalScorer:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         return cls(model, AutoTokenizer.from_pretrained(str(path)), **kwargs)
 
-    def _context_ids(self, messages: Sequence[_Message]) -> list[int]:
+    def _context_text(self, messages: Sequence[_Message]) -> str:
         chat = [m.to_openai() for m in messages if m.role != "tool"] + [{"role": "user", "content": GOAL_REQUEST}]
         for m in chat:  # scorers see text only
             if not isinstance(m.get("content"), str):
                 m["content"] = "".join(p.get("text", "") for p in m.get("content") or [])
             m.pop("tool_calls", None)
-        text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text + GOAL_PREFIX, add_special_tokens=False)["input_ids"]
+        return self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + GOAL_PREFIX
+
+    def _split_ids(self, context: str, goal: str) -> tuple[list[int], list[int]]:
+        """(context ids, goal ids) of ``context + goal`` tokenised as one string: the context is
+        the longest token prefix it shares with ``context`` tokenised alone."""
+        if not goal:
+            raise ValueError("the goal string is empty")
+        alone = self.tokenizer(context, add_special_tokens=False)["input_ids"]
+        whole = self.tokenizer(context + goal, add_special_tokens=False)["input_ids"]
+        k = 0
+        while k < min(len(alone), len(whole)) and alone[k] == whole[k]:
+            k += 1
+        if k == 0 or k == len(whole):
+            raise ValueError(f"cannot split the tokens of goal {goal!r} from its context")
+        return whole[:k], whole[k:]
 
     @torch.no_grad()
     def logprob(self, messages: Sequence[_Message], goal: str) -> float:
@@ -62,11 +80,7 @@ class GoalScorer:
         for start in range(0, len(goals), self.max_batch):
             rows = []
             for conv, goal in zip(conversations[start:start + self.max_batch], goals[start:start + self.max_batch]):
-                ctx = self._context_ids(conv)
-                tgt = self.tokenizer(goal, add_special_tokens=False)["input_ids"]
-                if not tgt:
-                    raise ValueError("the goal string is empty")
-                rows.append((ctx, tgt))
+                rows.append(self._split_ids(self._context_text(conv), goal))
             width = max(len(c) + len(t) for c, t in rows)
             ids = torch.full((len(rows), width), pad, dtype=torch.long)
             attn = torch.zeros_like(ids)

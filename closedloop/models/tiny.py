@@ -84,6 +84,11 @@ class TinyConfig:
     n_conversations: int = 600
     # Relative weight of goal-restatement examples (tool use weighs 9, chit-chat 2).
     goal_weight: float = 2.0
+    # Label smoothing of the warm-up loss (0: plain cross-entropy). The frozen IG scorer uses it:
+    # without it, tokens the training data never continues with get arbitrary, seed-dependent
+    # log-probabilities far in the tail (-10 nats and below), and a log-ratio of two such tails
+    # (IG of an uninformative answer) is noise of several nats; smoothing gives them a common floor.
+    label_smoothing: float = 0.0
     # One thread: on a shared CPU, several OpenMP threads spin against each other (40x slower).
     torch_threads: int = 1
 
@@ -283,7 +288,8 @@ def _warm_up(model, tokenizer, cfg: TinyConfig, examples: list[tuple[list[int], 
             labels[r, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
         logits = model(input_ids=input_ids, attention_mask=attn).logits[:, :-1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                 labels[:, 1:].reshape(-1), ignore_index=-100)
+                                                 labels[:, 1:].reshape(-1), ignore_index=-100,
+                                                 label_smoothing=cfg.label_smoothing)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -321,6 +327,8 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, train_steps: int = 500,
     if train_steps < 0:
         raise ValueError("train_steps must be >= 0")
     cfg = TinyConfig(seed=seed, train_steps=train_steps, **overrides)
+    if not 0.0 <= cfg.label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {cfg.label_smoothing}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

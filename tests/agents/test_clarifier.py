@@ -60,6 +60,24 @@ def test_ig_is_unchanged_by_a_policy_update(scorer_model_path):
     assert information_gain(GoalScorer(policy, tok), *args) != pytest.approx(before, abs=1e-3)  # the update was real
 
 
+def test_the_scorer_scores_the_goal_as_the_model_writes_it(scorer):
+    """Byte-level BPE puts the prefix's trailing space into the goal's first word (' return'): the
+    goal is scored on the tokens of prefix + goal as one string, not as 'return' after a lone ' '
+    (a sequence the model never writes, whose log-probability says nothing about the goal)."""
+    tok = scorer.tokenizer
+    context = scorer._context_text(REQUEST)
+    assert context.endswith(": ")
+    ctx, goal = scorer._split_ids(context, GOALS[0])
+    assert ctx + goal == tok(context + GOALS[0], add_special_tokens=False)["input_ids"]
+    assert tok.decode(goal) == " " + GOALS[0]
+    with torch.no_grad():
+        logp = torch.log_softmax(scorer.model(input_ids=torch.tensor([ctx + goal])).logits[0].float(), -1)
+    expected = sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(goal))
+    assert scorer.logprob(REQUEST, GOALS[0]) == pytest.approx(expected, abs=1e-4)
+    with pytest.raises(ValueError, match="empty"):
+        scorer.logprob(REQUEST, "")
+
+
 def test_trajectory_ig_finds_each_exchange_and_batches(scorer):
     traj = Trajectory(messages=[*REQUEST, AssistantMessage(content=QUESTION), UserMessage(content="It is the lamp."),
                                 AssistantMessage(content="Done. Anything else?"), UserMessage(content="No.")])
