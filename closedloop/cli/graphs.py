@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from rich.console import Console
@@ -16,6 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=handle)
     t = sub.add_parser("tools", help="list the registered tools")
     t.add_argument("modules", nargs="*", help="tool modules to list (default: all)")
+    t.add_argument("--json", action="store_true", help="print the tools' schemas (OpenAI tools entries) as JSON")
     t.set_defaults(func=handle_tools)
 
 
@@ -33,7 +35,14 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def handle_tools(args: argparse.Namespace) -> int:
-    registry = plugins.tool_registry(args.modules or None)
+    try:
+        registry = plugins.tool_registry(args.modules or None)
+    except plugins.PluginNotFound as e:
+        Console(stderr=True).print(f"[red]error:[/red] {e}")
+        return 2
+    if args.json:
+        print(json.dumps(registry.schemas, indent=2))
+        return 0
     table = Table(title="tools")
     table.add_column("name")
     table.add_column("writes")

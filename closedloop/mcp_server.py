@@ -1,0 +1,160 @@
+"""Serve closedloop tools over the Model Context Protocol (MCP) with the official ``mcp`` SDK.
+
+Any MCP client (Claude Desktop, an IDE, another agent framework) can then call the same typed
+``@tool`` functions our graphs call. The tools come from a :class:`~closedloop.tool.ToolRegistry`
+(in practice :func:`closedloop.plugins.tool_registry`, i.e. the ``closedloop.tools`` entry points),
+so this module never imports a tool module itself.
+
+What a client sees is what a graph sees:
+
+- ``tools/list`` advertises each tool's JSON schema exactly as :attr:`Tool.parameters` generates
+  it (the same dict the OpenAI protocol and chat templates get);
+- ``tools/call`` goes through :meth:`Tool.run` (pydantic validation, timeout, serialisation), and
+  every failure a graph would show the model (malformed or invalid arguments, unknown tool, the
+  tool's exception or timeout) comes back as an MCP tool error (``isError: true`` with the same
+  message), never as a protocol error, so the calling model can read it and retry.
+
+Files. Array arguments travel as paths (``.npy``/``.npz``/``.safetensors``) or inline lists
+(:mod:`closedloop.artifacts`). A server reachable by a remote model must not read arbitrary files,
+so it has a working directory: a string argument that looks like a path (it contains a path
+separator, starts with ``~`` or ``.``, or ends in a file suffix such as ``.npy``) is resolved
+against the working directory (symlinks followed) and must stay inside it; otherwise the call is a
+tool error and the tool never runs. Relative paths are handed to the tool resolved, so the server
+process's own current directory does not matter. Tool outputs saved as artifacts should land in the
+working directory too (the CLI points ``CLOSEDLOOP_ARTIFACTS`` there), so a client can pass a
+returned path back in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import mcp_types as types
+from mcp.server import Server
+
+from closedloop.tool import ToolRegistry
+
+__all__ = ["PathOutsideWorkdir", "build_server", "check_paths", "mcp_tools", "run_stdio", "http_app", "run_http"]
+
+# Suffixes that make a bare file name count as a path (artifacts and the data files tools read).
+PATH_SUFFIXES = (".npy", ".npz", ".safetensors", ".json", ".jsonl", ".csv", ".txt", ".parquet", ".pt", ".bin")
+_SEP = re.compile(r"[/\\]")
+
+
+class PathOutsideWorkdir(ValueError):
+    """A path argument resolves outside the server's working directory."""
+
+
+def _looks_like_path(value: str) -> bool:
+    return bool(_SEP.search(value)) or value.startswith(("~", ".")) or value.lower().endswith(PATH_SUFFIXES)
+
+
+def check_paths(arguments: Any, workdir: Path) -> Any:
+    """Return ``arguments`` with every path-like string resolved inside ``workdir``.
+
+    Walks nested lists and dicts (inline arrays are lists of numbers and pass untouched). Raises
+    :class:`PathOutsideWorkdir` naming the argument when a path escapes the working directory.
+    """
+    root = workdir.resolve()
+
+    def walk(value: Any, where: str) -> Any:
+        if isinstance(value, str):
+            if not _looks_like_path(value):
+                return value
+            resolved = (root / Path(value).expanduser()).resolve()
+            if not resolved.is_relative_to(root):
+                raise PathOutsideWorkdir(f"{where}: path {value!r} resolves to {resolved}, outside the server's "
+                                         f"working directory {root}; use a path inside it")
+            return str(resolved)
+        if isinstance(value, list):
+            return [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, dict):
+            return {k: walk(v, f"{where}.{k}") for k, v in value.items()}
+        return value
+
+    if not isinstance(arguments, dict):
+        return arguments  # Tool.run reports the wrong type to the caller
+    return {k: walk(v, k) for k, v in arguments.items()}
+
+
+def mcp_tools(registry: ToolRegistry) -> list[types.Tool]:
+    """The MCP ``Tool`` entries: name, description and our own JSON schema, unchanged."""
+    out = []
+    for t in registry:
+        annotations = types.ToolAnnotations(read_only_hint=not t.mutates, destructive_hint=t.mutates)
+        out.append(types.Tool(name=t.name, description=t.description, input_schema=t.parameters,
+                              annotations=annotations))
+    return out
+
+
+def _error(message: str) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(type="text", text=f"Error: {message}")], is_error=True)
+
+
+def build_server(registry: ToolRegistry, *, workdir: str | os.PathLike[str] | None = None,
+                 name: str = "closedloop") -> Server:
+    """A low-level MCP :class:`~mcp.server.Server` exposing ``registry``'s tools.
+
+    The low-level API (not ``MCPServer``/FastMCP) because the schemas must be ours, not ones the SDK
+    re-derives from function signatures.
+    """
+    import closedloop
+
+    root = Path(workdir if workdir is not None else os.getcwd()).resolve()
+    if not root.is_dir():
+        raise NotADirectoryError(f"working directory {root} does not exist or is not a directory")
+    listed = mcp_tools(registry)
+
+    async def on_list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=listed)
+
+    async def on_call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+        if params.name not in registry:
+            return _error(f"unknown tool {params.name!r}; available tools: {sorted(registry.tools)}")
+        try:
+            arguments = check_paths(params.arguments or {}, root)
+        except PathOutsideWorkdir as e:
+            return _error(str(e))
+        result = await registry.get(params.name).run(arguments)
+        if not result.ok:
+            return _error(result.error or "tool failed")
+        structured = None
+        try:
+            parsed = json.loads(result.content)
+            structured = parsed if isinstance(parsed, dict) else None
+        except ValueError:
+            pass
+        return types.CallToolResult(content=[types.TextContent(type="text", text=result.content)],
+                                    structured_content=structured)
+
+    def input_schema(tool_name: str) -> dict[str, Any] | None:
+        return registry.get(tool_name).parameters if tool_name in registry else None
+
+    return Server(name, version=closedloop.__version__,
+                  instructions=f"closedloop tools; path arguments must lie inside {root}",
+                  get_tool_input_schema=input_schema, on_list_tools=on_list_tools, on_call_tool=on_call_tool)
+
+
+async def run_stdio(server: Server) -> None:
+    """Serve one client over stdin/stdout until it disconnects."""
+    from mcp.server.stdio import stdio_server
+
+    async with stdio_server() as (read_stream, write_stream):
+        await server.run(read_stream, write_stream, server.create_initialization_options())
+
+
+def http_app(server: Server, *, path: str = "/mcp", host: str = "127.0.0.1") -> Any:
+    """The streamable-HTTP ASGI app (Starlette) serving ``server`` at ``path``."""
+    return server.streamable_http_app(streamable_http_path=path, host=host)
+
+
+def run_http(server: Server, *, host: str = "127.0.0.1", port: int = 8000, path: str = "/mcp",
+             log_level: str = "warning") -> None:
+    """Serve over streamable HTTP with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(http_app(server, path=path, host=host), host=host, port=port, log_level=log_level)
