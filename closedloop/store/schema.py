@@ -55,12 +55,12 @@ _V1 = [
         run_id VARCHAR NOT NULL,
         idx INTEGER NOT NULL,
         model VARCHAR,
-        message JSON NOT NULL,
+        message JSON NOT NULL USING COMPRESSION zstd,
         prompt_ids INTEGER[],
         completion_ids INTEGER[],
         logprobs DOUBLE[],
         loss_mask TINYINT[],
-        completion_text VARCHAR,
+        completion_text VARCHAR USING COMPRESSION zstd,
         finish_reason VARCHAR,
         prompt_tokens BIGINT NOT NULL DEFAULT 0,
         completion_tokens BIGINT NOT NULL DEFAULT 0,
@@ -113,7 +113,67 @@ def _v1_to_v2(con: duckdb.DuckDBPyConnection) -> None:
     )""")
 
 
-MIGRATIONS: list[Callable[[duckdb.DuckDBPyConnection], None]] = [_v0_to_v1, _v1_to_v2]
+_TURNS_V3 = """CREATE TABLE turns_v3 (
+        run_id VARCHAR NOT NULL,
+        idx INTEGER NOT NULL,
+        model VARCHAR,
+        message JSON NOT NULL USING COMPRESSION zstd,
+        prompt_ids BLOB USING COMPRESSION zstd,
+        completion_ids BLOB USING COMPRESSION zstd,
+        logprobs BLOB USING COMPRESSION zstd,
+        loss_mask BLOB USING COMPRESSION zstd,
+        completion_text VARCHAR USING COMPRESSION zstd,
+        finish_reason VARCHAR,
+        prompt_tokens BIGINT NOT NULL DEFAULT 0,
+        completion_tokens BIGINT NOT NULL DEFAULT 0,
+        cost_usd DOUBLE,
+        latency_s DOUBLE,
+        created_at TIMESTAMP NOT NULL,
+        logprob_spec JSON,
+        trainable BOOLEAN DEFAULT true,
+        purpose VARCHAR DEFAULT 'policy',
+        unavailable JSON
+    )"""
+_ARRAY_COLUMNS = ("prompt_ids", "completion_ids", "logprobs", "loss_mask")
+_MIGRATION_CHUNK = 20_000
+
+
+def _v2_to_v3(con: duckdb.DuckDBPyConnection) -> None:
+    """Token ids, logprobs and loss masks become compact BLOBs (layout: :mod:`closedloop.store.codec`).
+
+    DuckDB cannot reinterpret a list as bytes in SQL, so existing turns are copied through Python,
+    ``_MIGRATION_CHUNK`` rows at a time in their original order, into a new table that then takes
+    the old one's name. One-time cost: roughly what reading those turns back costs.
+    """
+    con.execute(_TURNS_V3)
+    top = con.execute("SELECT max(rowid) FROM turns").fetchone()[0]
+    cols = ", ".join(TURN_COLUMNS)
+    if top is not None:  # a fresh file has nothing to copy and need not import pyarrow
+        import pyarrow as pa
+
+        from closedloop.store.batch import _arrow_types
+        from closedloop.store.codec import list_column_to_blob
+
+        types = _arrow_types()["turns"]
+    for lo in range(0, -1 if top is None else top + 1, _MIGRATION_CHUNK):
+        rows = con.execute(f"SELECT {cols} FROM turns WHERE rowid >= ? AND rowid < ? ORDER BY rowid",
+                           [lo, lo + _MIGRATION_CHUNK]).fetchall()
+        if not rows:
+            continue
+        columns = dict(zip(TURN_COLUMNS, map(list, zip(*rows))))
+        for name in _ARRAY_COLUMNS:
+            columns[name] = list_column_to_blob(columns[name], name)
+        chunk = pa.table({c: pa.array(columns[c], type=types[c]) for c in TURN_COLUMNS})
+        con.register("_closedloop_migrate_turns", chunk)
+        try:
+            con.execute(f"INSERT INTO turns_v3 ({cols}) SELECT {cols} FROM _closedloop_migrate_turns")
+        finally:
+            con.unregister("_closedloop_migrate_turns")
+    con.execute("DROP TABLE turns")
+    con.execute("ALTER TABLE turns_v3 RENAME TO turns")
+
+
+MIGRATIONS: list[Callable[[duckdb.DuckDBPyConnection], None]] = [_v0_to_v1, _v1_to_v2, _v2_to_v3]
 TABLES = ("runs", "messages", "turns", "tool_calls", "metrics")
 # Column order of ``turns`` after every migration (inserts name their columns, never rely on position).
 TURN_COLUMNS = ("run_id", "idx", "model", "message", "prompt_ids", "completion_ids", "logprobs", "loss_mask",

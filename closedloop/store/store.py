@@ -52,12 +52,13 @@ from closedloop.config import default_store_path
 from closedloop.messages import (AssistantMessage, LogprobSpec, Message, ToolCall, Trajectory, Turn, Usage, _Message,
                                  parse_messages)
 from closedloop.store import pricing
-from closedloop.store.batch import (PreparedToolCall, PreparedTurn, Pricer, Rows, ensure_arrow, prepare_episode,
-                                    prepare_message, prepare_tool_call, prepare_turn, turn_row)
+from closedloop.store.batch import (PreparedToolCall, PreparedTurn, Pricer, Rows, ensure_arrow, gc_paused,
+                                    prepare_episode, prepare_message, prepare_tool_call, prepare_turn, turn_row)
+from closedloop.store.codec import decode_turn_arrays, turn_arrays_to_lists
 from closedloop.store.process import hostname, pid_alive, process_start
 from closedloop.store.records import (TERMINAL_STATUSES, RunRecord, RunSummary, ToolCallRecord, reward_dict,
                                       trajectory_metadata, utcnow)
-from closedloop.store.redact import _env_secrets, redact, redact_text
+from closedloop.store.redact import _env_secrets, might_hold_secret, redact, redact_text
 from closedloop.store.schema import TABLES, TURN_COLUMNS, migrate
 from closedloop.store.writer import BackgroundWriter
 from closedloop.tool import ToolResult
@@ -94,6 +95,17 @@ def _jsonable(value: Any) -> Any:
     elif isinstance(value, Mapping):
         value = dict(value)
     return json.loads(json.dumps(value, default=str))
+
+
+def _redacted_json(value: Any, secrets: list[str], *, keys: bool = True, key_values: bool = True) -> str:
+    """``_dumps(redact(_jsonable(value), ...))`` with one serialisation when the JSON text cannot
+    hold anything to redact (:func:`~closedloop.store.redact.might_hold_secret`), the usual case."""
+    if not isinstance(value, dict):
+        value = _jsonable(value)
+    text = json.dumps(value, default=str)
+    if not might_hold_secret(text, secrets):
+        return text
+    return json.dumps(redact(json.loads(text), keys=keys, key_values=key_values, env_secrets=secrets))
 
 
 def _dumps(value: Any) -> str | None:
@@ -540,47 +552,52 @@ class RunStore:
         if not specs:
             return []
         ensure_arrow()  # vectorised inserts (the first call imports pyarrow)
+        with gc_paused():
+            return self._record_batch(defaults, specs, ids)
+
+    def _record_batch(self, defaults: "_RunDefaults", specs: list["_EpisodeSpec"], ids: list[str]) -> list[str]:
+        """Everything is prepared (redacted, encoded, priced, laid out in rows) before the
+        transaction, so the file is held only for the inserts."""
         secrets = _env_secrets()
         cfg = _dumps(redact(_jsonable(defaults.config) or {}, env_secrets=secrets))
         tags = list(defaults.tags or [])
         pid, host = os.getpid(), hostname()
         proc = process_start(pid)
         version = closedloop.__version__
-        prepared = []
+        rows, now, pricer = Rows(), utcnow(), Pricer(self.price_fn)
         for spec in specs:
             traj = spec.trajectory
-            meta = redact(_jsonable(traj.metadata) or {}, env_secrets=secrets)
-            out = redact({"rewards": traj.rewards,
-                          **({"step_rewards": traj.step_rewards} if traj.step_rewards else {}),
-                          **(_jsonable(spec.outcome) or {})}, keys=False, key_values=False, env_secrets=secrets)
-            prepared.append((traj.id, _dumps(meta), _dumps(out), _format_error(spec.error), spec.started_at,
-                             *prepare_episode(traj.messages, traj.turns, secrets)))
+            run_id = traj.id
+            meta = _redacted_json(traj.metadata or {}, secrets)
+            out = _redacted_json({"rewards": traj.rewards,
+                                  **({"step_rewards": traj.step_rewards} if traj.step_rewards else {}),
+                                  **(_jsonable(spec.outcome) or {})}, secrets, keys=False, key_values=False)
+            messages, turns = prepare_episode(traj.messages, traj.turns, secrets)
+            for i, (role, js) in enumerate(messages):
+                rows.add("messages", (run_id, i, role, js))
+            p_tok = c_tok = 0
+            cost: float | None = None
+            for i, t in enumerate(turns):
+                c = t.cost_usd if t.cost_usd is not None else pricer(t.model or defaults.model_spec or "",
+                                                                    t.prompt_tokens, t.completion_tokens)
+                rows.add("turns", turn_row(run_id, i, t, c, now))
+                p_tok += t.prompt_tokens
+                c_tok += t.completion_tokens
+                if c is not None:
+                    cost = (cost or 0.0) + c
+            rows.add("runs", (run_id, defaults.kind, defaults.graph, defaults.model_spec, cfg, defaults.status,
+                              pid, host, proc, defaults.parent_id, version, spec.started_at or now, now, now, out,
+                              _format_error(spec.error), p_tok, c_tok, cost, tags, meta))
 
         def write(con: duckdb.DuckDBPyConnection) -> list[str]:
             taken = con.execute("SELECT id FROM runs WHERE list_contains(?, id) LIMIT 5", [ids]).fetchall()
             if taken:
                 raise RunStateError(f"a run with id {taken[0][0]!r} already exists"
                                     + (f" (and {len(taken) - 1} more)" if len(taken) > 1 else ""))
-            rows, now, pricer = Rows(), utcnow(), Pricer(self.price_fn)
-            for run_id, meta, out, err, started, messages, turns in prepared:
-                for i, (role, js) in enumerate(messages):
-                    rows.add("messages", (run_id, i, role, js))
-                p_tok = c_tok = 0
-                cost: float | None = None
-                for i, t in enumerate(turns):
-                    c = self._price(t, defaults.model_spec, pricer)
-                    rows.add("turns", turn_row(run_id, i, t, c, now))
-                    p_tok += t.prompt_tokens
-                    c_tok += t.completion_tokens
-                    if c is not None:
-                        cost = (cost or 0.0) + c
-                rows.add("runs", (run_id, defaults.kind, defaults.graph, defaults.model_spec, cfg, defaults.status,
-                                  pid, host, proc, defaults.parent_id, version, started or now, now, now, out, err,
-                                  p_tok, c_tok, cost, tags, meta))
             rows.insert(con)
             return ids
 
-        return self._tx(write)
+        return self._tx(write, before=_bulk_settings if self._memory is None else None)
 
     def reopen_run(self, run_id: str, config: Any = None) -> None:
         """Make a finished run ``running`` again, owned by this process (resuming a long job such as an
@@ -618,9 +635,11 @@ class RunStore:
             self._reap(con)
             full = _resolve(con, run_id)
             summary = _summaries(con, "WHERE id = ?", [full])[0]
-            msgs = _messages_from_json([r[0] for r in con.execute(
-                "SELECT json FROM messages WHERE run_id = ? ORDER BY idx", [full]).fetchall()])
-            turns = [_turn_from_row(r) for r in con.execute(
+            raw = [r[0] for r in con.execute("SELECT json FROM messages WHERE run_id = ? ORDER BY idx",
+                                             [full]).fetchall()]
+            msgs = _messages_from_json(raw)
+            by_json = dict(zip(raw, msgs))
+            turns = [_turn_from_row(r, by_json) for r in con.execute(
                 f"SELECT {_TURN_READ} FROM turns WHERE run_id = ? ORDER BY idx", [full]).fetchall()]
             cur = con.execute("SELECT idx, turn_idx, call_id, name, arguments, result, error, error_kind, latency_s "
                               "FROM tool_calls WHERE run_id = ? ORDER BY idx", [full])
@@ -695,21 +714,28 @@ class RunStore:
             chunk = selected[start:start + batch_size]
             ids = [c[0] for c in chunk]
 
-            def read(con: duckdb.DuckDBPyConnection) -> tuple[dict[str, list[Any]], dict[str, list[Turn]]]:
+            def read(con: duckdb.DuckDBPyConnection) -> tuple[dict[str, list[str]], dict[str, list[tuple[Any, ...]]]]:
                 msgs: dict[str, list[str]] = {i: [] for i in ids}
-                turns: dict[str, list[Turn]] = {i: [] for i in ids}
+                rows: dict[str, list[tuple[Any, ...]]] = {i: [] for i in ids}
                 for rid, js in con.execute("SELECT run_id, json FROM messages WHERE list_contains(?, run_id) "
                                            "ORDER BY run_id, idx", [ids]).fetchall():
                     msgs[rid].append(js)
                 for row in con.execute(f"SELECT run_id, {_TURN_READ} FROM turns WHERE list_contains(?, run_id) "
                                        "ORDER BY run_id, idx", [ids]).fetchall():
-                    turns[row[0]].append(_turn_from_row(row[1:]))
-                return msgs, turns
+                    rows[row[0]].append(row[1:])
+                return msgs, rows
 
-            msgs, turns = self._tx(read)  # decoded after the file is released
-            for rid, rewards, step_rewards, md in chunk:
-                yield Trajectory.model_construct(id=rid, messages=_messages_from_json(msgs[rid]), turns=turns[rid],
-                                                 rewards=rewards, step_rewards=step_rewards, metadata=md)
+            msgs, rows = self._tx(read)  # decoded after the file is released
+            with gc_paused():
+                out = []
+                for rid, rewards, step_rewards, md in chunk:
+                    messages = _messages_from_json(msgs[rid])
+                    by_json = dict(zip(msgs[rid], messages))
+                    out.append(Trajectory.model_construct(id=rid, messages=messages,
+                                                          turns=[_turn_from_row(r, by_json) for r in rows[rid]],
+                                                          rewards=rewards, step_rewards=step_rewards, metadata=md))
+            del msgs, rows
+            yield from out
 
     def list_runs(self, limit: int | None = 50, status: str | None = None, graph: str | None = None,
                   kind: str | None = None, parent_id: str | None = None, tag: str | None = None) -> list[RunSummary]:
@@ -795,6 +821,9 @@ class RunStore:
         def write(con: duckdb.DuckDBPyConnection) -> dict[str, Path]:
             for table, path in paths.items():
                 quoted = str(path).replace("'", "''")
+                if table == "turns":  # the array BLOBs go out as the lists they encode
+                    _export_turns(con, path)
+                    continue
                 con.execute(f"COPY (SELECT * FROM {table} ORDER BY ALL) TO '{quoted}' (FORMAT parquet)")
             return paths
 
@@ -938,6 +967,19 @@ _TURN_READ = ("model, message, prompt_ids, completion_ids, logprobs, loss_mask, 
               "prompt_tokens, completion_tokens, cost_usd, latency_s, logprob_spec, trainable, purpose, unavailable")
 
 
+def _bulk_settings(con: duckdb.DuckDBPyConnection) -> None:
+    """A bulk write checkpoints at its commit instead of first copying its rows into the WAL.
+
+    Every connection of the store checkpoints when it closes (the file is released between
+    writes, and a reader must not replay a WAL), so a big transaction's rows would be written
+    twice: to the WAL at commit, then into the table's blocks on close. A commit whose WAL would
+    exceed ``checkpoint_threshold`` skips the WAL and checkpoints instead (DuckDB's automatic
+    checkpoint); with the threshold at 0 that is every bulk commit. Durability is the same: the
+    commit returns once the checkpoint has been written.
+    """
+    con.execute("SET checkpoint_threshold = '0b'")
+
+
 def _prepare_call(call: ToolCall, result: ToolResult, secrets: list[str]) -> PreparedToolCall:
     return prepare_tool_call(call.id, call.name, call.function.arguments, result.content, result.error,
                              result.error_kind, result.latency_s, secrets)
@@ -1029,6 +1071,31 @@ def _resolve(con: duckdb.DuckDBPyConnection, prefix: str) -> str:
     return rows[0][0]
 
 
+def _export_turns(con: duckdb.DuckDBPyConnection, path: Path) -> None:
+    """``turns`` as Parquet with ``prompt_ids``/``completion_ids``/``logprobs``/``loss_mask`` as
+    list columns (what a Parquet reader expects), one record batch at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    reader = con.sql("SELECT * FROM turns ORDER BY ALL").to_arrow_reader(20_000)
+    writer = None
+    try:
+        for batch in reader:
+            columns = {name: batch.column(name) for name in batch.schema.names}
+            columns.update(turn_arrays_to_lists(columns))
+            table = pa.table(columns)
+            if writer is None:
+                writer = pq.ParquetWriter(str(path), table.schema)
+            writer.write_table(table)
+        if writer is None:  # no turns: an empty file with the list schema
+            empty = {name: pa.array([], type=f.type) for name, f in zip(reader.schema.names, reader.schema)}
+            empty.update(turn_arrays_to_lists(empty))
+            pq.write_table(pa.table(empty), str(path))
+    finally:
+        if writer is not None:
+            writer.close()
+
+
 _MESSAGES = TypeAdapter(list[Message])
 
 
@@ -1037,20 +1104,25 @@ def _messages_from_json(rows: list[str]) -> list[Any]:
     return _MESSAGES.validate_json("[" + ",".join(rows) + "]") if rows else []
 
 
-def _turn_from_row(row: tuple[Any, ...]) -> Turn:
+def _turn_from_row(row: tuple[Any, ...], messages: Mapping[str, Any] | None = None) -> Turn:
     """A stored turn as a :class:`Turn`.
 
-    The row was written from a validated ``Turn`` and DuckDB's column types hold it (integer
-    and float lists, JSON), so the turn is constructed without re-validating every token id: that
-    validation was most of the cost of reading trajectories back. The message and logprob spec are
-    parsed (from JSON, in pydantic-core).
+    The row was written from a validated ``Turn``, so the turn is constructed without
+    re-validating every token id (that was most of the cost of reading trajectories back); the
+    arrays are decoded from their BLOBs (:mod:`closedloop.store.codec`) in C. ``messages``: the
+    run's parsed messages by their stored JSON; a turn's message is nearly always one of them
+    (stored from the same object), and then it is that object again, as it was when recorded,
+    instead of a second parse.
     """
     (model, message, prompt_ids, completion_ids, logprobs, loss_mask, completion_text, finish_reason,
      prompt_tokens, completion_tokens, cost, latency, spec, trainable, purpose, unavailable) = row
-    if loss_mask is None and prompt_ids is not None and completion_ids is not None:
-        loss_mask = [0] * len(prompt_ids) + [1] * len(completion_ids)  # what Turn's validator would fill in
+    prompt_ids, completion_ids, logprobs, loss_mask = decode_turn_arrays(prompt_ids, completion_ids, logprobs,
+                                                                         loss_mask)
+    parsed = messages.get(message) if messages is not None else None
+    if not isinstance(parsed, AssistantMessage):
+        parsed = AssistantMessage.model_validate_json(message)
     return Turn.model_construct(
-        message=AssistantMessage.model_validate_json(message), model=model or "", prompt_ids=prompt_ids,
+        message=parsed, model=model or "", prompt_ids=prompt_ids,
         completion_ids=completion_ids, logprobs=logprobs, loss_mask=loss_mask,
         logprob_spec=LogprobSpec.model_validate_json(spec) if spec else None,
         completion_text=completion_text, finish_reason=finish_reason,

@@ -7,7 +7,7 @@ import json
 import duckdb
 import pytest
 
-from closedloop.messages import AssistantMessage, ToolCall, ToolMessage, Turn, UserMessage
+from closedloop.messages import AssistantMessage, LogprobSpec, ToolCall, ToolMessage, Turn, UserMessage
 from closedloop.store import REDACTED, RunStore, redact, redact_text
 from closedloop.store.redact import is_sensitive_key, redact_arguments
 from closedloop.tool import ToolResult
@@ -131,7 +131,9 @@ def test_bulk_and_queued_writes_redact_like_direct_ones(tmp_path, monkeypatch, p
     monkeypatch.setenv("MY_SERVICE_TOKEN", "plainvalue-42-zz")
     call = ToolCall.make("login", {"user": "bob", "password": "hunter22-secret"})
     turn = Turn(message=AssistantMessage(content=f"echo {OPENAI_KEY}", tool_calls=[call]),
-                completion_text=f"echo {OPENAI_KEY} plainvalue-42-zz", prompt_ids=[1], completion_ids=[2])
+                completion_text=f"echo {OPENAI_KEY} plainvalue-42-zz", prompt_ids=[1], completion_ids=[2],
+                model="proxy-plainvalue-42-zz", logprob_spec=LogprobSpec(mode="server", backend=f"gw {HF_TOKEN}"),
+                unavailable={"logprobs": f"401: {OPENAI_KEY}", "token_ids": "not returned"})
     messages = [UserMessage(content=f"my key is {HF_TOKEN}"), turn.message,
                 ToolMessage(tool_call_id=call.id, content="ok plainvalue-42-zz"), AssistantMessage(content="plain")]
     store = RunStore(tmp_path / "runs.duckdb")
@@ -146,6 +148,10 @@ def test_bulk_and_queued_writes_redact_like_direct_ones(tmp_path, monkeypatch, p
     rec = store.get_run(rid)
     assert rec.messages[-1].text == "plain" and rec.messages[0].text == f"my key is {REDACTED}"
     assert json.loads(rec.turns[0].message.tool_calls[0].function.arguments)["password"] == REDACTED
+    t = rec.turns[0]  # the turn's short text fields too; field names such as "token_ids" are kept
+    assert t.unavailable == {"logprobs": f"401: {REDACTED}", "token_ids": "not returned"}
+    assert (t.model, t.logprob_spec.backend) == (f"proxy-{REDACTED}", f"gw {REDACTED}")
+    assert t.prompt_ids == [1] and t.completion_ids == [2]
     store.close()
     raw = (tmp_path / "runs.duckdb").read_bytes()
     for secret in (OPENAI_KEY, HF_TOKEN, "hunter22-secret", "plainvalue-42-zz"):
