@@ -140,7 +140,8 @@ def av_sync(video_features: np.ndarray, audio_features: np.ndarray, vshift: int 
     win = 2 * vshift + 1
     ap = np.pad(a, ((vshift, vshift), (0, 0)))
     idx = np.arange(t)[:, None] + np.arange(win)[None, :]  # padded audio index for (frame i, window j)
-    dists = np.linalg.norm(v[:, None, :] - ap[idx], axis=-1)  # (T, win)
+    # one pass per window position keeps memory at O(T D) rather than O(T win D)
+    dists = np.stack([np.linalg.norm(v - ap[j:j + t], axis=1) for j in range(win)], axis=1)  # (T, win)
     if pad == "zero":
         mdist = dists.mean(axis=0)
     else:
