@@ -26,8 +26,9 @@ from __future__ import annotations
 import contextlib
 import re
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Collection, Sequence, Union
+from typing import Any, Awaitable, Callable, Collection, Optional, Sequence, Union
 
+from langchain_core.runnables import RunnableConfig
 from langgraph.graph import END, START, StateGraph
 
 from closedloop.agents.clarifier.belief import BeliefTracker, should_ask
@@ -36,6 +37,7 @@ from closedloop.graphs.react import DEFAULT_SYSTEM_PROMPT
 from closedloop.messages import AssistantMessage, SystemMessage, Turn, UserMessage, _Message
 from closedloop.models.base import ModelClient, SamplingParams
 from closedloop.runtime import AgentState, make_model_node, wire_tool_loop
+from closedloop.runtime.nodes import run_params
 from closedloop.tool import ToolRegistry
 
 
@@ -131,11 +133,11 @@ def build_clarifier_graph(client: ModelClient, tools: ToolRegistry | None = None
                        entropy=belief.normalized_entropy)
         return {"scratch": scratch, **recorded}
 
-    async def ask(state: AgentState) -> dict[str, Any]:
+    async def ask(state: AgentState, config: Optional[RunnableConfig] = None) -> dict[str, Any]:
         scratch = dict(state["scratch"])
         goals = "\n".join(f"- {g}" for g in scratch["belief"])
         messages = list(state.get("messages", [])) + [UserMessage(content=ASK_PROMPT.format(goals=goals))]
-        turn = await client.generate(messages, None, params)
+        turn = await client.generate(messages, None, run_params(params, config))  # the run's seed, if any
         scratch["asked"] = int(scratch.get("asked", 0)) + 1
         if not turn.message.tool_calls and turn.message.text.strip().endswith("?"):
             message = AssistantMessage(content=turn.message.text.strip())

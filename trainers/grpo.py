@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import math
 import random
 import time
@@ -255,68 +256,78 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
     from closedloop.trainers.checkpoint import InterruptGuard
 
     status = "completed"
-    with InterruptGuard() as guard:
-        for step in range(start, config.max_steps or 0):
-            t0 = time.perf_counter()
-            seeds = [config.train_seed_start + rng.randrange(config.train_seed_count)
-                     for _ in range(config.prompts_per_step)]
-            unwrapped.eval()
-            groups = asyncio.run(collect_groups(make_env, policy_def, seeds, config.num_generations,
-                                                max_steps=config.max_env_steps,
-                                                sample_seed=None if config.seed is None else
-                                                config.seed * 7919 + step * 104729 + rank,
-                                                concurrency=config.rollout_concurrency,
-                                                metadata={"step": step, "env": config.env}))
-            t_roll = time.perf_counter() - t0
-            pad = session.tokenizer.pad_token_id if session.tokenizer.pad_token_id is not None else 0
-            batch = build_batch(groups, spec, scale=config.scale_rewards, gamma=config.gamma,
-                                turn_weight=config.turn_weight, max_length=config.max_length, pad_id=pad)
-            device = accel.device
-            batch = RolloutBatch(batch.input_ids.to(device), batch.attention_mask.to(device),
-                                 batch.loss_mask.to(device), batch.old_logps.to(device), batch.logprob_mask.to(device),
-                                 batch.advantages.to(device), batch.rows_per_episode, batch.truncated_tokens,
-                                 batch.stats)
-            session.record_trajectories([e.trajectory for g in groups for e in g.episodes], step)
-            if _nothing_to_train(batch, accel):  # e.g. every episode failed: report it, do not crash
-                metrics = {**_episode_stats(groups, batch), "skipped_update": 1.0, "rollout_s": t_roll,
-                           "step_s": time.perf_counter() - t0}
+    # The model, tokenizer, optimizer and imported modules live for the whole run: freezing them out
+    # of the collector makes each full collection walk only what the steps allocate (unfrozen at
+    # the end, so nothing outlives the run).
+    gc.collect()
+    gc.freeze()
+    try:
+        with InterruptGuard() as guard:
+            for step in range(start, config.max_steps or 0):
+                t0 = time.perf_counter()
+                seeds = [config.train_seed_start + rng.randrange(config.train_seed_count)
+                         for _ in range(config.prompts_per_step)]
+                unwrapped.eval()
+                groups = asyncio.run(collect_groups(make_env, policy_def, seeds, config.num_generations,
+                                                    max_steps=config.max_env_steps,
+                                                    sample_seed=None if config.seed is None else
+                                                    config.seed * 7919 + step * 104729 + rank,
+                                                    concurrency=config.rollout_concurrency,
+                                                    metadata={"step": step, "env": config.env}))
+                t_roll = time.perf_counter() - t0
+                pad = session.tokenizer.pad_token_id if session.tokenizer.pad_token_id is not None else 0
+                batch = build_batch(groups, spec, scale=config.scale_rewards, gamma=config.gamma,
+                                    turn_weight=config.turn_weight, max_length=config.max_length, pad_id=pad)
+                device = accel.device
+                batch = RolloutBatch(batch.input_ids.to(device), batch.attention_mask.to(device),
+                                     batch.loss_mask.to(device), batch.old_logps.to(device),
+                                     batch.logprob_mask.to(device),
+                                     batch.advantages.to(device), batch.rows_per_episode, batch.truncated_tokens,
+                                     batch.stats)
+                session.record_trajectories([e.trajectory for g in groups for e in g.episodes], step)
+                if _nothing_to_train(batch, accel):  # e.g. every episode failed: report it, do not crash
+                    metrics = {**_episode_stats(groups, batch), "skipped_update": 1.0, "rollout_s": t_roll,
+                               "step_s": time.perf_counter() - t0}
+                    history.append({"step": step + 1, **metrics})
+                    session.log(step + 1, metrics)
+                    continue
+                unwrapped.train()
+                micro = config.per_device_batch_size
+                old = batch.old_logps
+                is_weights = None
+                if use_is or bool((batch.logprob_mask < batch.loss_mask).any()):
+                    trainer_old = sequence_logprobs(policy, batch, config.temperature, micro)
+                    if use_is:
+                        is_weights = importance_sampling_weights(trainer_old, batch.old_logps, batch.loss_mask,
+                                                                 clip_max=config.importance_sampling_cap,
+                                                                 sampler_mask=batch.logprob_mask)
+                        old = trainer_old
+                    else:  # tokens whose sampler gave no logprob: the trainer's own (TRL's old_per_token_logps)
+                        old = torch.where(batch.logprob_mask.bool(), batch.old_logps, trainer_old)
+                ref = sequence_logprobs(ref_model, batch, config.temperature, micro) if ref_model is not None else None
+                t1 = time.perf_counter()
+                for _ in range(config.num_iterations):
+                    m = grpo_update(policy, session.optimizer, session.scheduler, batch, config, old_logps=old,
+                                    ref_logps=ref, is_weights=is_weights, backward=accel.backward,
+                                    clip=session.clip_gradients)
+                t_train = time.perf_counter() - t1
+                sync.push(unwrapped, step + 1)
+                tokens = float(batch.attention_mask.sum())
+                metrics = {**_episode_stats(groups, batch), **m, "rollout_s": t_roll, "train_s": t_train,
+                           "step_s": time.perf_counter() - t0,
+                           "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
+                           "learning_rate": session.current_lr()}
                 history.append({"step": step + 1, **metrics})
                 session.log(step + 1, metrics)
-                continue
-            unwrapped.train()
-            micro = config.per_device_batch_size
-            old = batch.old_logps
-            is_weights = None
-            if use_is or bool((batch.logprob_mask < batch.loss_mask).any()):
-                trainer_old = sequence_logprobs(policy, batch, config.temperature, micro)
-                if use_is:
-                    is_weights = importance_sampling_weights(trainer_old, batch.old_logps, batch.loss_mask,
-                                                             clip_max=config.importance_sampling_cap,
-                                                             sampler_mask=batch.logprob_mask)
-                    old = trainer_old
-                else:  # tokens whose sampler gave no logprob: the trainer's own (TRL's old_per_token_logps)
-                    old = torch.where(batch.logprob_mask.bool(), batch.old_logps, trainer_old)
-            ref = sequence_logprobs(ref_model, batch, config.temperature, micro) if ref_model is not None else None
-            t1 = time.perf_counter()
-            for _ in range(config.num_iterations):
-                m = grpo_update(policy, session.optimizer, session.scheduler, batch, config, old_logps=old,
-                                ref_logps=ref, is_weights=is_weights, backward=accel.backward,
-                                clip=session.clip_gradients)
-            t_train = time.perf_counter() - t1
-            sync.push(unwrapped, step + 1)
-            tokens = float(batch.attention_mask.sum())
-            metrics = {**_episode_stats(groups, batch), **m, "rollout_s": t_roll, "train_s": t_train,
-                       "step_s": time.perf_counter() - t0, "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
-                       "learning_rate": session.current_lr()}
-            history.append({"step": step + 1, **metrics})
-            session.log(step + 1, metrics)
-            if on_step is not None:
-                on_step(step + 1, metrics)
-            session.maybe_save(step + 1)
-            if guard.should_stop(accel):  # Ctrl-C: save, then stop; `resume: auto` continues
-                session.save(step + 1, interrupted=True)
-                status = "interrupted"
-                break
+                if on_step is not None:
+                    on_step(step + 1, metrics)
+                session.maybe_save(step + 1)
+                if guard.should_stop(accel):  # Ctrl-C: save, then stop; `resume: auto` continues
+                    session.save(step + 1, interrupted=True)
+                    status = "interrupted"
+                    break
+    finally:
+        gc.unfreeze()
     sync.close()
     if status == "completed":
         session.save_final()

@@ -13,8 +13,9 @@ all episodes of a rollout batch run concurrently, so the client's micro-batcher 
 together on the device. The episodes of one :func:`collect_groups` call share one compiled graph
 per tool list and sampling settings (compiling a LangGraph graph costs milliseconds per episode,
 more than a small model's whole reply); each runs in its own thread of that graph, and its sample
-seed reaches the model through a context variable (:class:`_EpisodeSeeded`), so every episode
-still samples with its own seed, exactly as with a graph of its own.
+seed travels in the run config (``configurable["sampling_seed"]``, read by the graph's model calls,
+see :func:`closedloop.runtime.nodes.run_params`), so every episode still samples with its own seed,
+exactly as with a graph of its own.
 
 Rewards: ``info["rewards"]`` of every step (named components, see :mod:`closedloop.env`) are
 summed per episode into ``Trajectory.rewards``; components the trainer treats as per-turn (such
@@ -25,7 +26,6 @@ step, in ``Trajectory.metadata["turn_rewards"]`` (one dict per turn).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -34,49 +34,12 @@ from typing import Any, Callable, Iterable
 from closedloop import plugins
 from closedloop.env import AgentEnvironment
 from closedloop.messages import AssistantMessage, Trajectory, Turn, _Message
-from closedloop.models.base import GenerateRequest, ModelClient, SamplingParams
+from closedloop.models.base import ModelClient, SamplingParams
 from closedloop.runtime import make_checkpointer
+from closedloop.runtime.nodes import SAMPLING_SEED
 from closedloop.tool import ToolRegistry
 
 EnvFactory = Callable[[], AgentEnvironment]
-
-# The sample seed of the episode running in this context (set by run_episode, read by _EpisodeSeeded).
-_EPISODE_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("closedloop_episode_seed", default=None)
-
-
-class _EpisodeSeeded(ModelClient):
-    """The policy's client as a graph shared by several episodes sees it: a request that carries
-    no seed of its own takes the seed of the episode making it (asyncio tasks, LangGraph's
-    included, inherit the context of the episode that started them). Everything else (``model``,
-    ``tokenizer``, ``paused``, ...) is the wrapped client's."""
-
-    def __init__(self, inner: ModelClient) -> None:
-        self._inner = inner
-        self.spec = inner.spec
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_inner":  # not yet set (copy/pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self._inner, name)
-
-    @staticmethod
-    def _seeded(params: SamplingParams | None) -> SamplingParams | None:
-        seed = _EPISODE_SEED.get()
-        if seed is None or (params is not None and params.seed is not None):
-            return params
-        return (params or SamplingParams()).model_copy(update={"seed": seed})
-
-    async def generate(self, messages, tools=None, params=None, tool_choice=None):  # noqa: ANN001
-        return await self._inner.generate(messages, tools, self._seeded(params), tool_choice)
-
-    async def stream(self, messages, tools=None, params=None, tool_choice=None):  # noqa: ANN001
-        async for event in self._inner.stream(messages, tools, self._seeded(params), tool_choice):
-            yield event
-
-    async def batch(self, requests: list[GenerateRequest]) -> list[Turn]:
-        return await self._inner.batch([GenerateRequest(r.messages, r.tools, self._seeded(r.params), r.tool_choice)
-                                        for r in requests])
-
 
 class SchemaTools(ToolRegistry):
     """The environment's tool schemas, for a graph that only proposes calls (the environment
@@ -111,16 +74,16 @@ class GraphPolicy:
             self._factory = plugins.load("closedloop.graphs", self.graph) if isinstance(self.graph, str) else self.graph
         return self._factory
 
-    def build(self, tools: list[dict[str, Any]], params: SamplingParams, client: ModelClient | None = None):
-        return self.factory()(client or self.client, SchemaTools(tools), system_prompt=None, params=params,
+    def build(self, tools: list[dict[str, Any]], params: SamplingParams | None = None):
+        return self.factory()(self.client, SchemaTools(tools), system_prompt=None, params=params or self.params,
                               execute_tools=False, checkpointer=make_checkpointer("memory"), **self.options)
 
     def shared(self, tools: list[dict[str, Any]], cache: dict[str, Any]):
-        """The graph the episodes of one rollout batch share for these tools (built on first use,
-        with the episode-seeded client and ``params`` without a seed: each episode brings its own)."""
+        """The graph the episodes of one rollout batch share for these tools (built on first use;
+        each episode passes its sample seed in its run config)."""
         key = json.dumps(tools, sort_keys=True, default=str)
         if key not in cache:
-            cache[key] = self.build(tools, self.params.model_copy(update={"seed": None}), _EpisodeSeeded(self.client))
+            cache[key] = self.build(tools)
         return cache[key]
 
 
@@ -149,26 +112,16 @@ async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, m
     """One episode: the graph acts, the environment answers, until it ends or ``max_steps``.
 
     ``graphs``: a cache shared by the episodes of one rollout batch (see :meth:`GraphPolicy.shared`);
-    without it the episode compiles a graph of its own.
+    without it the episode compiles a graph of its own. ``sample_seed`` (else ``policy.params.seed``)
+    seeds every model call of the episode, through the run config.
     """
-    token = _EPISODE_SEED.set(sample_seed if sample_seed is not None else policy.params.seed)
-    try:
-        return await _run_episode(make_env, policy, seed, max_steps, sample_seed, metadata, graphs)
-    finally:
-        _EPISODE_SEED.reset(token)
-
-
-async def _run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, max_steps: int,
-                       sample_seed: int | None, metadata: dict[str, Any] | None,
-                       graphs: dict[str, Any] | None) -> Episode:
     env = make_env()
     obs, info = await env.areset(seed=seed)
-    if graphs is not None:
-        graph = policy.shared(info.get("tools") or [], graphs)
-    else:
-        params = policy.params if sample_seed is None else policy.params.model_copy(update={"seed": sample_seed})
-        graph = policy.build(info.get("tools") or [], params)
-    config = {"configurable": {"thread_id": uuid.uuid4().hex}}
+    tools = info.get("tools") or []
+    graph = policy.shared(tools, graphs) if graphs is not None else policy.build(tools)
+    config: dict[str, Any] = {"configurable": {"thread_id": uuid.uuid4().hex}}
+    if sample_seed is not None:
+        config["configurable"][SAMPLING_SEED] = sample_seed
     turns: list[Turn] = []
     turn_rewards: list[dict[str, float]] = []
     totals: dict[str, float] = {}
@@ -176,7 +129,7 @@ async def _run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, max
     messages: list[_Message] = list(obs)
     while steps < max_steps:
         try:
-            out = await graph.ainvoke({"messages": messages[seen:]}, config)
+            out = await graph.ainvoke({"messages": messages[seen:]}, config, durability="exit")
         except Exception as e:  # a policy failure ends the episode; it is reported, not hidden
             error = f"{type(e).__name__}: {e}"
             break

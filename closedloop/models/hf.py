@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
 import secrets
 import threading
@@ -116,6 +117,7 @@ class HFClient(ModelClient):
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
         self._eos_ids = self._stop_token_ids()
+        self._end_markers = tuple(self.decode([i]) for i in sorted(self._eos_ids))
 
     # ------------------------------------------------------------------ construction
 
@@ -264,9 +266,14 @@ class HFClient(ModelClient):
 
         rows: list[_Row] = []
         limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        prompts: dict[str, list[int]] = {}  # a GRPO group sends one prompt G times: render it once
         for req in reqs:
             try:
-                prompt = self.encode_prompt(req.messages, req.tools, req.tool_choice)
+                key = json.dumps([[m.model_dump_json() for m in req.messages], req.tools, req.tool_choice],
+                                 default=str)
+                if key not in prompts:
+                    prompts[key] = self.encode_prompt(req.messages, req.tools, req.tool_choice)
+                prompt = list(prompts[key])
                 max_new = req.params.max_tokens
                 if limit:
                     max_new = min(max_new, limit - len(prompt))
@@ -299,6 +306,14 @@ class HFClient(ModelClient):
                 self._resolve(row.req, error=e)
 
     def _decode(self, rows: list[_Row]) -> None:
+        """Prefill, then one forward pass per token for the whole batch.
+
+        Sampling is vectorised over the batch (one tempered ``log_softmax``, one top-p mask, one
+        inverse-CDF draw for all rows); the randomness stays per row: each row's uniforms come from
+        its own seeded generator, drawn up front (``u[t]`` picks the row's ``t``-th token), so a
+        seeded request samples the same alone or in a batch. Text is decoded per token only for
+        rows that stream or have stop strings; the others are decoded once, at the end.
+        """
         import torch
 
         from transformers import DynamicCache
@@ -315,6 +330,24 @@ class HFClient(ModelClient):
             input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
             attn[i, width - len(r.prompt_ids):] = 1
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        steps = max(r.max_new for r in rows)
+        # Per-row sampling settings as columns; greedy rows read the plain softmax (temperature 1).
+        params = [r.req.params for r in rows]
+        greedy = torch.tensor([p.temperature == 0 for p in params])
+        temps = torch.tensor([[1.0 if p.temperature == 0 else float(p.temperature)] for p in params])
+        top_p = torch.tensor([[1.0 if p.temperature == 0 else float(p.top_p)] for p in params])
+        any_top_p = bool((top_p < 1.0).any())
+        any_greedy, all_greedy = bool(greedy.any()), bool(greedy.all())
+        uniforms = torch.stack([torch.zeros(steps, dtype=torch.float64) if p.temperature == 0 else
+                                torch.rand(steps, generator=r.generator, dtype=torch.float64)
+                                for p, r in zip(params, rows)])
+        max_new = torch.tensor([r.max_new for r in rows])
+        eos = torch.tensor(sorted(self._eos_ids))
+        texty = [i for i, r in enumerate(rows) if r.req.on_delta is not None or r.req.params.stop]
+        out_ids = torch.full((n, steps), pad, dtype=torch.long)
+        out_lp = torch.zeros((n, steps), dtype=torch.float32)
+        done = torch.zeros(n, dtype=torch.bool)
+        lengths = torch.zeros(n, dtype=torch.long)
         try:
             cache = DynamicCache(config=self.model.config)
         except TypeError:  # transformers < 4.56
@@ -323,52 +356,73 @@ class HFClient(ModelClient):
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self._cache_kw: cache})
         next_pos = positions[:, -1:] + 1
-        steps = max(r.max_new for r in rows)
-        for _ in range(steps):
+        ones = torch.ones((n, 1), dtype=attn.dtype, device=device)
+        for t in range(steps):
             logits = out.logits[:, -1, :].float().cpu()
-            next_tokens = [pad] * n
-            for i, r in enumerate(rows):
-                if r.finish is None:
-                    next_tokens[i] = self._step_row(r, logits[i])
-            if all(r.finish is not None for r in rows):
+            logp = torch.log_softmax(logits / temps, dim=-1)
+            if all_greedy:
+                tokens = logits.argmax(-1)
+            else:
+                tokens = self._draw(logp, top_p if any_top_p else None, uniforms[:, t])
+                if any_greedy:
+                    tokens = torch.where(greedy, logits.argmax(-1), tokens)
+            tokens = torch.where(done, pad, tokens)
+            active = ~done
+            out_ids[:, t] = tokens
+            out_lp[:, t] = logp.gather(1, tokens[:, None])[:, 0]
+            lengths += active.long()
+            stopped = active & torch.isin(tokens, eos)
+            finished_len = active & ~stopped & (lengths >= max_new)
+            for i in texty:
+                if bool(active[i]) and not bool(stopped[i]) and self._text_step(rows[i], out_ids[i, :t + 1].tolist()):
+                    stopped[i] = True
+                    finished_len[i] = False
+            for i in (stopped | finished_len).nonzero()[:, 0].tolist():
+                rows[i].finish = "stop" if bool(stopped[i]) else "length"
+            done = done | stopped | finished_len
+            if bool(done.all()):
                 break
-            attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=device)], dim=1)
-            out = self.model(input_ids=torch.tensor(next_tokens, device=device).unsqueeze(1), attention_mask=attn,
-                             position_ids=next_pos, use_cache=True, **{self._cache_kw: cache})
+            attn = torch.cat([attn, ones], dim=1)
+            out = self.model(input_ids=tokens.to(device).unsqueeze(1), attention_mask=attn, position_ids=next_pos,
+                             use_cache=True, **{self._cache_kw: cache})
             next_pos = next_pos + 1
+        ids_list, lp_list, len_list = out_ids.tolist(), out_lp.tolist(), lengths.tolist()
+        for i, r in enumerate(rows):
+            r.ids = ids_list[i][:len_list[i]]
+            r.logprobs = lp_list[i][:len_list[i]]
 
-    def _step_row(self, r: _Row, logits) -> int:
-        """Choose one token for one row, record it and its logprob, and update the row's finish."""
+    @staticmethod
+    def _draw(logp, top_p, u):
+        """One token per row from ``exp(logp)`` (optionally top-p truncated) by inverse CDF at the
+        row's uniform ``u`` (float64 cumulative sums; a zero-probability token is never chosen)."""
         import torch
 
-        p = r.req.params
-        if p.temperature == 0:
-            logp = torch.log_softmax(logits, dim=-1)
-            token = int(torch.argmax(logits))
-        else:
-            logp = torch.log_softmax(logits / p.temperature, dim=-1)
-            probs = logp.exp()
-            if p.top_p < 1.0:
-                sorted_p, order = torch.sort(probs, descending=True)
-                keep = (torch.cumsum(sorted_p, 0) - sorted_p) < p.top_p  # smallest set reaching top_p
-                probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-            token = int(torch.multinomial(probs, 1, generator=r.generator))
-        r.ids.append(token)
-        r.logprobs.append(float(logp[token]))
-        if token in self._eos_ids:
-            r.finish = "stop"
-            return token
+        probs = logp.exp().double()
+        if top_p is not None:
+            sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+            keep = (torch.cumsum(sorted_p, -1) - sorted_p) < top_p.double()  # smallest set reaching top_p
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_p * keep)
+        cdf = torch.cumsum(probs, -1)
+        x = u[:, None] * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, x, right=True)[:, 0]
+        over = tokens >= probs.shape[-1]
+        if bool(over.any()):  # u * total rounded up to the total: the last token that can be drawn
+            last = (probs > 0).long().cumsum(-1).argmax(-1)
+            tokens = torch.where(over, last, tokens)
+        return tokens
+
+    def _text_step(self, r: _Row, ids: list[int]) -> bool:
+        """Streaming / stop strings for one row after it drew a (non-end) token: emit the new
+        complete text; True when a stop string has appeared."""
+        r.ids = ids
         delta = self._advance_text(r)
         if delta and r.req.on_delta is not None:
             r.req.on_delta(delta)
+        p = r.req.params
         if p.stop and delta:
             window = r.text[-(max(len(s) for s in p.stop) + len(delta)):]
-            if any(s in window for s in p.stop):
-                r.finish = "stop"
-                return token
-        if len(r.ids) >= r.max_new:
-            r.finish = "length"
-        return token
+            return any(s in window for s in p.stop)
+        return False
 
     def _advance_text(self, r: _Row) -> str:
         """Incremental detokenisation (as in TGI/vLLM): only text that is complete, never half of
@@ -389,8 +443,7 @@ class HFClient(ModelClient):
             cut = min((i for i in (text.find(s) for s in r.req.params.stop) if i != -1), default=-1)
             if cut != -1:
                 content_text = text[:cut]  # OpenAI semantics: the stop string is not part of the reply
-        end_markers = tuple(self.decode([i]) for i in sorted(self._eos_ids))
-        message = parse_completion(content_text, end_markers=end_markers)
+        message = parse_completion(content_text, end_markers=self._end_markers)
         finish = r.finish or "length"
         if message.tool_calls and finish == "stop":
             finish = "tool_calls"

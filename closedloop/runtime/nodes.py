@@ -7,8 +7,9 @@ registry), so the graph stays data and each node can be tested as dict in, dict 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Optional
 
+from langchain_core.runnables import RunnableConfig
 from langgraph.config import get_stream_writer
 from langgraph.graph import END
 from langgraph.types import interrupt
@@ -17,6 +18,28 @@ from closedloop.messages import AssistantMessage, SystemMessage, ToolCall, Turn
 from closedloop.models.base import ModelClient, SamplingParams, TextDelta, TurnDone
 from closedloop.runtime.state import AgentState, ToolRecord
 from closedloop.tool import ToolRegistry, ToolResult
+
+
+#: ``config["configurable"][SAMPLING_SEED]`` of a graph run: the sample seed of this run's model calls.
+SAMPLING_SEED = "sampling_seed"
+
+
+def run_params(params: SamplingParams | None, config: Optional[RunnableConfig]) -> SamplingParams | None:
+    """The sampling parameters of one model call in a graph run: ``params`` with the run's seed.
+
+    A run can carry a seed in ``config["configurable"]["sampling_seed"]`` (an int); it replaces
+    the seed of ``params`` for that run only. This is how one compiled graph serves many seeded
+    episodes (a trainer's rollout batch invokes it once per episode with that episode's seed), so a
+    run samples exactly as a graph built with ``params.seed = sampling_seed`` would. Without it,
+    ``params`` are used as given. Nodes other than the model node that call the model (e.g. the
+    clarifier's question) use this too, so every sampled turn of a run follows its seed.
+    """
+    seed = ((config or {}).get("configurable") or {}).get(SAMPLING_SEED)
+    if seed is None:
+        return params
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"configurable[{SAMPLING_SEED!r}] must be an int, got {type(seed).__name__}")
+    return (params or SamplingParams()).model_copy(update={"seed": seed})
 
 
 def make_model_node(client: ModelClient, tools: ToolRegistry | None = None, *, system_prompt: str | None = None,
@@ -29,14 +52,15 @@ def make_model_node(client: ModelClient, tools: ToolRegistry | None = None, *, s
     """
     schemas = tools.schemas if tools and len(tools) else None
 
-    async def model_node(state: AgentState) -> dict[str, Any]:
+    async def model_node(state: AgentState, config: Optional[RunnableConfig] = None) -> dict[str, Any]:
+        call_params = run_params(params, config)
         messages = list(state.get("messages", []))
         if system_prompt and not (messages and messages[0].role == "system"):
             messages.insert(0, SystemMessage(content=system_prompt))
         if stream_tokens:
             writer = get_stream_writer()
             turn: Turn | None = None
-            async for event in client.stream(messages, schemas, params):
+            async for event in client.stream(messages, schemas, call_params):
                 if isinstance(event, TextDelta):
                     writer({"token": event.text})
                 elif isinstance(event, TurnDone):
@@ -44,7 +68,7 @@ def make_model_node(client: ModelClient, tools: ToolRegistry | None = None, *, s
             if turn is None:
                 raise RuntimeError(f"{client.spec}: stream ended without a final turn")
         else:
-            turn = await client.generate(messages, schemas, params)
+            turn = await client.generate(messages, schemas, call_params)
         return {"messages": [turn.message], "turns": [turn]}
 
     return model_node
@@ -141,4 +165,4 @@ def wire_tool_loop(graph: Any, tools: ToolRegistry, *, approve: bool | Collectio
         graph.add_edge(model, END)
 
 
-__all__ = ["make_model_node", "make_tool_node", "route_after_model", "wire_tool_loop"]
+__all__ = ["SAMPLING_SEED", "make_model_node", "run_params", "make_tool_node", "route_after_model", "wire_tool_loop"]
