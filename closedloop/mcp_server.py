@@ -147,14 +147,19 @@ async def run_stdio(server: Server) -> None:
         await server.run(read_stream, write_stream, server.create_initialization_options())
 
 
-def http_app(server: Server, *, path: str = "/mcp", host: str = "127.0.0.1") -> Any:
-    """The streamable-HTTP ASGI app (Starlette) serving ``server`` at ``path``."""
-    return server.streamable_http_app(streamable_http_path=path, host=host)
+def http_app(server: Server, *, path: str = "/mcp", host: str = "127.0.0.1", json_response: bool = False) -> Any:
+    """The streamable-HTTP ASGI app (Starlette) serving ``server`` at ``path``.
+
+    ``json_response`` answers each POST with a plain JSON body instead of an SSE stream (both are
+    streamable HTTP; SSE lets a server push progress, JSON is cheaper per call).
+    """
+    return server.streamable_http_app(streamable_http_path=path, host=host, json_response=json_response)
 
 
 def run_http(server: Server, *, host: str = "127.0.0.1", port: int = 8000, path: str = "/mcp",
-             log_level: str = "warning") -> None:
+             json_response: bool = False, log_level: str = "warning") -> None:
     """Serve over streamable HTTP with uvicorn until interrupted."""
     import uvicorn
 
-    uvicorn.run(http_app(server, path=path, host=host), host=host, port=port, log_level=log_level)
+    uvicorn.run(http_app(server, path=path, host=host, json_response=json_response), host=host, port=port,
+                log_level=log_level)

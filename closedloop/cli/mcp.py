@@ -28,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--host", default="127.0.0.1", help="HTTP: interface to bind")
     s.add_argument("--port", type=int, default=8000, help="HTTP: port")
     s.add_argument("--path", default="/mcp", help="HTTP: endpoint path")
+    s.add_argument("--json-response", action="store_true",
+                   help="HTTP: answer each request with a JSON body instead of an SSE stream")
     s.add_argument("--workdir", default=".",
                    help="directory path arguments are resolved against and may not leave (default: current)")
     s.set_defaults(func=handle_serve)
@@ -54,7 +56,7 @@ def handle_serve(args: argparse.Namespace) -> int:
     if args.transport == "stdio":
         asyncio.run(run_stdio(server))
     else:
-        run_http(server, host=args.host, port=args.port, path=args.path)
+        run_http(server, host=args.host, port=args.port, path=args.path, json_response=args.json_response)
     return 0
 
 
