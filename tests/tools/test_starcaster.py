@@ -151,6 +151,8 @@ def test_identical_video_sets_give_fvd_zero():
     ident = np.ones(3)
     vids = np.stack([DelayedMouth().generate(envelope(40, s), ident, 40, seed=s) for s in range(6)])
     assert abs(fvd(vids, vids)) < 1e-8
+    assert VideoStatsExtractor(bins=2)(vids).shape == (6, 7)  # 5 statistics + 2 motion samples per video
+    assert abs(fvd(vids, vids, VideoStatsExtractor(bins=2))) < 1e-8
     assert fvd(vids, vids[:, :, ::-1]) < fvd(vids, np.clip(vids + 0.3, 0, 1))  # a mirror keeps the stats
 
 
@@ -194,6 +196,11 @@ async def test_tools_score_files_and_report_bad_input(registry, tmp_path):
     same = json.loads((await registry.call_json("frechet_video_distance", json.dumps(
         {"real": str(tmp_path / "f.npy"), "generated": str(tmp_path / "f.npy")}))).content)
     assert abs(same["fvd"]) < 1e-8 and same["feature_dim"] == 4
+    vids = np.stack([DelayedMouth().generate(envelope(40, s), np.ones(3), 40, seed=s) for s in range(4)])
+    np.save(tmp_path / "vids.npy", vids)
+    raw = json.loads((await registry.call_json("frechet_video_distance", json.dumps(
+        {"real": str(tmp_path / "vids.npy"), "generated": str(tmp_path / "vids.npy"), "inputs": "videos"}))).content)
+    assert abs(raw["fvd"]) < 1e-8 and raw["extractor"] == "VideoStatsExtractor" and raw["n_real"] == 4
     ids = json.loads((await registry.call_json("identity_similarity", json.dumps(
         {"frame_embeddings": [[1, 0], [1, 1]], "reference_embedding": [2, 0]}))).content)
     assert np.allclose(ids["per_frame"], [1, 2 ** -0.5]) and ids["worst_frame"] == 1
