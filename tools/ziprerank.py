@@ -33,7 +33,6 @@ not spliced into a vision tower's forward as the official Qwen3-VL subclass does
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
