@@ -120,8 +120,12 @@ def plot(result: DemoResult, path: Path) -> Path:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     steps = [h["step"] for h in result.grpo_history]
-    a.plot(steps, [h.get("reward", 0.0) for h in result.grpo_history], label="mean reward")
-    a.plot(steps, [h.get("rewards/success", 0.0) for h in result.grpo_history], label="success (train rollouts)")
+    for key, label, colour in (("reward", "mean reward", "#4c72b0"), ("rewards/success", "success", "#dd8452")):
+        ys = [h.get(key, 0.0) for h in result.grpo_history]
+        a.plot(steps, ys, color=colour, alpha=0.3, linewidth=1)
+        window = max(1, len(ys) // 6)  # each step sees new seeds: the trend is what shows learning
+        smooth = [sum(ys[max(0, i - window + 1):i + 1]) / len(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))]
+        a.plot(steps, smooth, color=colour, linewidth=2, label=f"{label} (train rollouts, {window}-step mean)")
     a.set_xlabel("GRPO step")
     a.set_title("GRPO on rollouts of the react graph")
     a.legend()
