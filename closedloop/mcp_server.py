@@ -49,7 +49,12 @@ class PathOutsideWorkdir(ValueError):
     """A path argument resolves outside the server's working directory."""
 
 
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def _looks_like_path(value: str) -> bool:
+    if _URL.match(value) and not value.lower().startswith("file://"):
+        return False  # a URL is not a local file
     return bool(_SEP.search(value)) or value.startswith(("~", ".")) or value.lower().endswith(PATH_SUFFIXES)
 
 
@@ -58,6 +63,7 @@ def check_paths(arguments: Any, workdir: Path) -> Any:
 
     Walks nested lists and dicts (inline arrays are lists of numbers and pass untouched). Raises
     :class:`PathOutsideWorkdir` naming the argument when a path escapes the working directory.
+    Relative paths become absolute when they name an existing file or end in a data-file suffix.
     """
     root = workdir.resolve()
 
@@ -69,7 +75,9 @@ def check_paths(arguments: Any, workdir: Path) -> Any:
             if not resolved.is_relative_to(root):
                 raise PathOutsideWorkdir(f"{where}: path {value!r} resolves to {resolved}, outside the server's "
                                          f"working directory {root}; use a path inside it")
-            return str(resolved)
+            # Hand the tool an absolute path only when the string surely names a file; other text
+            # that merely contains a slash ("1/2") reaches the tool unchanged.
+            return str(resolved) if resolved.exists() or value.lower().endswith(PATH_SUFFIXES) else value
         if isinstance(value, list):
             return [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
         if isinstance(value, dict):

@@ -183,9 +183,13 @@ def test_paths_resolving_outside_the_workdir_are_refused(served, key):
 
 
 def test_check_paths_leaves_non_paths_alone_and_resolves_relative_ones(tmp_path):
-    args = {"kernel": "rbf", "features": "mercer:5", "x": [[1.0, 2.0]], "data": "d.npz", "sub": "a/b.npy"}
+    (tmp_path / "table").write_text("x")
+    args = {"kernel": "rbf", "features": "mercer:5", "x": [[1.0, 2.0]], "data": "d.npz", "sub": "a/b.npy",
+            "ratio": "1/2", "url": "https://example.org/a.json", "file": "./table"}
     out = check_paths(args, tmp_path)
-    assert out["kernel"] == "rbf" and out["features"] == "mercer:5" and out["x"] == [[1.0, 2.0]]
-    assert out["data"] == str(tmp_path.resolve() / "d.npz") and out["sub"] == str(tmp_path.resolve() / "a/b.npy")
+    for unchanged in ("kernel", "features", "x", "ratio", "url"):
+        assert out[unchanged] == args[unchanged]
+    root = tmp_path.resolve()
+    assert (out["data"], out["sub"], out["file"]) == (str(root / "d.npz"), str(root / "a/b.npy"), str(root / "table"))
     with pytest.raises(PathOutsideWorkdir, match=r"items\[1\]"):
         check_paths({"items": ["ok.npy", "~/../../etc/passwd"]}, tmp_path)
