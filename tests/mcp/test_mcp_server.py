@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from closedloop import plugins
-from closedloop.mcp_server import PathOutsideWorkdir, check_paths
-
 pytest.importorskip("mcp")
+
+from closedloop import plugins  # noqa: E402
+from closedloop.mcp_server import PathOutsideWorkdir, check_paths  # noqa: E402
 
 MODULES = "arithmetic,mesh_certificate"
 FACES = [[0, 1, 2], [1, 3, 2]]
@@ -63,6 +63,7 @@ async def _scenarios(session: Any, outside: Path) -> dict[str, Any]:
     await call("add_invalid", "add", {"a": "two", "b": 1})
     await call("add_extra", "add", {"a": 1, "b": 2, "c": 3})
     await call("unknown", "no_such_tool", {})
+    await call("missing_file", "mesh_incidence", {"faces": "missing.npy"})
     await call("inline", "mesh_incidence", {"faces": FACES})
     await call("path_inside", "mesh_incidence", {"faces": "faces.npy"})
     await call("path_dotdot", "mesh_incidence", {"faces": "../outside/faces.npy"})
@@ -162,6 +163,12 @@ def test_invalid_arguments_are_a_tool_error_with_the_validation_message(served):
     assert "invalid arguments for add" in seen["add_invalid"]["text"] and "a:" in seen["add_invalid"]["text"]
     assert seen["add_extra"]["is_error"] and "c:" in seen["add_extra"]["text"]  # extra="forbid", as in graphs
     assert seen["unknown"]["is_error"] and "unknown tool 'no_such_tool'" in seen["unknown"]["text"]
+
+
+def test_the_tools_own_failure_is_a_tool_error_too(served):
+    seen, _ = served
+    assert seen["missing_file"]["is_error"]
+    assert "raised ArtifactError" in seen["missing_file"]["text"] and "file not found" in seen["missing_file"]["text"]
 
 
 def test_array_arguments_work_inline_and_as_paths_inside_the_workdir(served):
