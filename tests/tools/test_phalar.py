@@ -151,7 +151,7 @@ def test_cplx_linear_init_matches_official_scale():
     ours = CplxLinear(400, 300)
     theirs = ref.CplxLinear(400, 300)
     std_ours = float(torch.cat([ours.weight_re, ours.weight_im]).detach().std())
-    assert std_ours == pytest.approx(float(theirs.W.weight.std()), rel=0.02)
+    assert std_ours == pytest.approx(float(theirs.W.weight.detach().std()), rel=0.02)
 
 
 def sine(freq, sr=16000, seconds=2.5):
