@@ -152,15 +152,15 @@ def prepare_turn(turn: Turn, secrets: list[str], message_json: str | None = None
             spec = turn.logprob_spec.model_copy(update={"backend": scrub(turn.logprob_spec.backend)}).model_dump_json()
         if unavailable is not None:  # keys name fields ("token_ids"), values are free-text reasons
             unavailable = json.dumps(redact(turn.unavailable, keys=False, env_secrets=secrets))
-    prompt_ids, completion_ids = turn.prompt_ids, turn.completion_ids
-    mask = encode_mask(turn.loss_mask)
+    prompt_ids, completion_ids, mask = turn.prompt_ids, turn.completion_ids, turn.loss_mask
     if mask is not None and prompt_ids is not None and completion_ids is not None and \
-            mask == bytes(len(prompt_ids)) + b"\x01" * len(completion_ids):
+            len(mask) == len(prompt_ids) + len(completion_ids) and \
+            mask == [0] * len(prompt_ids) + [1] * len(completion_ids):
         mask = None  # the default mask (see codec): what Turn fills in, and what a read restores
     return PreparedTurn(
         model=model, message=message_json, prompt_ids=encode_ids(prompt_ids, "prompt_ids"),
         completion_ids=encode_ids(completion_ids, "completion_ids"), logprobs=encode_floats(turn.logprobs),
-        loss_mask=mask, completion_text=text, finish_reason=finish,
+        loss_mask=encode_mask(mask), completion_text=text, finish_reason=finish,
         prompt_tokens=turn.usage.prompt_tokens or len(prompt_ids or ()),
         completion_tokens=turn.usage.completion_tokens or len(completion_ids or ()),
         cost_usd=turn.usage.cost_usd, latency_s=turn.latency_s, logprob_spec=spec,
@@ -300,6 +300,10 @@ class Rows:
         if len(values) != len(_COLUMNS[table]):
             raise ValueError(f"{table} rows have {len(_COLUMNS[table])} values, got {len(values)}")
         self.tables[table].append(values)
+
+    def extend(self, table: str, rows: list[Sequence[Any]]) -> None:
+        """Rows this module built itself, in the table's column order (no per-row check)."""
+        self.tables[table].extend(rows)
 
     def count(self, table: str) -> int:
         return len(self.tables[table])

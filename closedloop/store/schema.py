@@ -139,7 +139,10 @@ _MIGRATION_CHUNK = 20_000
 
 
 def _v2_to_v3(con: duckdb.DuckDBPyConnection) -> None:
-    """Token ids, logprobs and loss masks become compact BLOBs (layout: :mod:`closedloop.store.codec`).
+    """Token ids, logprobs and loss masks become compact BLOBs (layout: :mod:`closedloop.store.codec`),
+    stored, like the message JSON and completion text, with zstd: measured on 1.4 kB of token ids
+    per row, a bulk commit's checkpoint costs 2.5 µs per row with zstd and 10-16 µs with DuckDB's
+    default dictionary + FSST analysis, and the file is smaller.
 
     DuckDB cannot reinterpret a list as bytes in SQL, so existing turns are copied through Python,
     ``_MIGRATION_CHUNK`` rows at a time in their original order, into a new table that then takes
@@ -171,6 +174,17 @@ def _v2_to_v3(con: duckdb.DuckDBPyConnection) -> None:
             con.unregister("_closedloop_migrate_turns")
     con.execute("DROP TABLE turns")
     con.execute("ALTER TABLE turns_v3 RENAME TO turns")
+    # Message JSON is zstd-compressed as well (DuckDB's default string compression, dictionary +
+    # FSST, costs several times the CPU at every checkpoint of a bulk write).
+    con.execute("""CREATE TABLE messages_v3 (
+        run_id VARCHAR NOT NULL,
+        idx INTEGER NOT NULL,
+        role VARCHAR NOT NULL,
+        json JSON NOT NULL USING COMPRESSION zstd
+    )""")
+    con.execute("INSERT INTO messages_v3 SELECT run_id, idx, role, json FROM messages ORDER BY rowid")
+    con.execute("DROP TABLE messages")
+    con.execute("ALTER TABLE messages_v3 RENAME TO messages")
 
 
 MIGRATIONS: list[Callable[[duckdb.DuckDBPyConnection], None]] = [_v0_to_v1, _v1_to_v2, _v2_to_v3]

@@ -20,8 +20,8 @@ Opening the file costs tens of milliseconds, so there are three ways to write, b
   run rows in one transaction, one vectorised insert per table (:mod:`closedloop.store.batch`).
   A finished episode is either all there or not there at all.
 
-Reading many trajectories back (``iter_trajectories``) is one query for the matching runs plus one
-connection per ``batch_size`` runs, never one file open per run.
+Reading many trajectories back (``iter_trajectories``) is one connection per ``batch_size`` runs
+(the first also selects the runs), never one file open per run.
 """
 
 from __future__ import annotations
@@ -573,14 +573,14 @@ class RunStore:
                                   **({"step_rewards": traj.step_rewards} if traj.step_rewards else {}),
                                   **(_jsonable(spec.outcome) or {})}, secrets, keys=False, key_values=False)
             messages, turns = prepare_episode(traj.messages, traj.turns, secrets)
-            for i, (role, js) in enumerate(messages):
-                rows.add("messages", (run_id, i, role, js))
+            rows.extend("messages", [(run_id, i, role, js) for i, (role, js) in enumerate(messages)])
             p_tok = c_tok = 0
             cost: float | None = None
+            turn_rows = rows.tables["turns"]
             for i, t in enumerate(turns):
                 c = t.cost_usd if t.cost_usd is not None else pricer(t.model or defaults.model_spec or "",
                                                                     t.prompt_tokens, t.completion_tokens)
-                rows.add("turns", turn_row(run_id, i, t, c, now))
+                turn_rows.append(turn_row(run_id, i, t, c, now))
                 p_tok += t.prompt_tokens
                 c_tok += t.completion_tokens
                 if c is not None:
@@ -663,8 +663,8 @@ class RunStore:
         One query selects the runs (filters on the run row; ``metadata`` keeps runs whose metadata
         has all of these key/value pairs; ``min_reward`` keeps runs whose summed outcome rewards are
         at least that, runs without rewards never). Then each batch of ``batch_size`` runs costs one
-        connection and two queries (messages, turns), released before the batch is yielded, so a
-        slow consumer never holds the file. Each trajectory equals ``load_trajectory(id)``: rewards
+        connection (the first batch shares the selecting one) and two queries (messages, turns),
+        released before the batch is decoded and yielded, so a slow consumer never holds the file. Each trajectory equals ``load_trajectory(id)``: rewards
         and step rewards from the run's outcome, ``metadata`` with ``run_id``, ``kind``, ``graph``,
         ``parent_id``, ... and ``task_id`` (see :func:`closedloop.store.records.trajectory_metadata`).
         """
@@ -686,46 +686,58 @@ class RunStore:
         want = dict(_jsonable(metadata) or {})
         self._flush_pending()
 
-        def heads(con: duckdb.DuckDBPyConnection) -> list[tuple[Any, ...]]:
+        def select(con: duckdb.DuckDBPyConnection) -> list[tuple[str, dict[str, float], list[Any], dict[str, Any]]]:
             self._reap(con)
-            return con.execute(
+            heads = con.execute(
                 "SELECT id, kind, graph, model_spec, status, parent_id, tags, metadata, "
                 "json_extract(config, '$.task_id'), json_extract(outcome, '$.task_id'), "
                 "json_extract(outcome, '$.rewards'), json_extract(outcome, '$.step_rewards') FROM runs "
                 + ("WHERE " + " AND ".join(where) if where else "") + " ORDER BY started_at, rowid", params).fetchall()
+            selected = []
+            for (rid, kind_, graph_, spec, status_, parent, tags, meta, cfg_task, out_task, rewards_js,
+                 steps_js) in heads:
+                meta = _loads(meta) or {}
+                if any(meta.get(k) != v for k, v in want.items()):
+                    continue
+                rewards = reward_dict(rid, _loads(rewards_js))
+                if min_reward is not None and (not rewards or sum(rewards.values()) < min_reward):
+                    continue
+                md = trajectory_metadata(run_id=rid, kind=kind_, graph=graph_, model_spec=spec, status=status_,
+                                         tags=tags or [], parent_id=parent, metadata=meta,
+                                         config_task_id=_loads(cfg_task), outcome_task_id=_loads(out_task))
+                selected.append((rid, rewards, list(_loads(steps_js) or []), md))
+                if limit is not None and len(selected) >= limit:
+                    break
+            return selected
 
-        selected: list[tuple[str, dict[str, float], list[Any], dict[str, Any]]] = []
-        for (rid, kind_, graph_, spec, status_, parent, tags, meta, cfg_task, out_task, rewards_js,
-             steps_js) in self._tx(heads):
-            meta = _loads(meta) or {}
-            if any(meta.get(k) != v for k, v in want.items()):
-                continue
-            rewards = reward_dict(rid, _loads(rewards_js))
-            if min_reward is not None and (not rewards or sum(rewards.values()) < min_reward):
-                continue
-            md = trajectory_metadata(run_id=rid, kind=kind_, graph=graph_, model_spec=spec, status=status_,
-                                     tags=tags or [], parent_id=parent, metadata=meta, config_task_id=_loads(cfg_task),
-                                     outcome_task_id=_loads(out_task))
-            selected.append((rid, rewards, list(_loads(steps_js) or []), md))
-            if limit is not None and len(selected) >= limit:
-                break
-
-        for start in range(0, len(selected), batch_size):
-            chunk = selected[start:start + batch_size]
-            ids = [c[0] for c in chunk]
-
-            def read(con: duckdb.DuckDBPyConnection) -> tuple[dict[str, list[str]], dict[str, list[tuple[Any, ...]]]]:
-                msgs: dict[str, list[str]] = {i: [] for i in ids}
-                rows: dict[str, list[tuple[Any, ...]]] = {i: [] for i in ids}
+        def read(con: duckdb.DuckDBPyConnection, ids: list[str]) -> tuple[dict[str, list[str]],
+                                                                          dict[str, list[tuple[Any, ...]]]]:
+            msgs: dict[str, list[str]] = {i: [] for i in ids}
+            rows: dict[str, list[tuple[Any, ...]]] = {i: [] for i in ids}
+            if ids:
                 for rid, js in con.execute("SELECT run_id, json FROM messages WHERE list_contains(?, run_id) "
                                            "ORDER BY run_id, idx", [ids]).fetchall():
                     msgs[rid].append(js)
                 for row in con.execute(f"SELECT run_id, {_TURN_READ} FROM turns WHERE list_contains(?, run_id) "
                                        "ORDER BY run_id, idx", [ids]).fetchall():
                     rows[row[0]].append(row[1:])
-                return msgs, rows
+            return msgs, rows
 
-            msgs, rows = self._tx(read)  # decoded after the file is released
+        def select_and_first(con: duckdb.DuckDBPyConnection) -> tuple[list[Any], tuple[Any, Any]]:
+            # The first batch is read on the selecting connection: opening the file costs ~15 ms of
+            # CPU (DuckDB builds its catalog), as much as decoding ~1,000 turns.
+            selected = select(con)
+            return selected, read(con, [c[0] for c in selected[:batch_size]])
+
+        selected, first = self._tx(select_and_first)
+        for start in range(0, len(selected), batch_size):
+            chunk = selected[start:start + batch_size]
+            if start == 0:
+                msgs, rows = first
+                first = None
+            else:
+                ids = [c[0] for c in chunk]
+                msgs, rows = self._tx(lambda con: read(con, ids))  # decoded after the file is released
             with gc_paused():
                 out = []
                 for rid, rewards, step_rewards, md in chunk:

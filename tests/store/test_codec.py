@@ -88,14 +88,20 @@ def _v2_file(path, monkeypatch) -> None:
                         [idx, f'{{"role": "assistant", "content": "t{idx}"}}', p, c, lp, mask, spec, idx != 3,
                          "policy" if idx != 3 else "reask"])
         con.execute("DELETE FROM turns WHERE idx = 4")  # a gap in the row ids
+        for idx, text in enumerate(["q", "t0"]):
+            role = "user" if idx == 0 else "assistant"
+            con.execute("INSERT INTO messages VALUES ('old', ?, ?, ?)",
+                        [idx, role, f'{{"role": "{role}", "content": "{text}"}}'])
 
 
 def test_a_version_2_file_is_migrated_to_blobs(store_path, monkeypatch):
     _v2_file(store_path, monkeypatch)
     monkeypatch.setattr(schema, "_MIGRATION_CHUNK", 2)  # several chunks, in order
     store = RunStore(store_path)
-    turns = store.load_trajectory("old").turns
+    old = store.load_trajectory("old")
+    turns = old.turns
     assert [t.message.text for t in turns] == ["t0", "t1", "t2", "t3"]
+    assert [(m.role, m.text) for m in old.messages] == [("user", "q"), ("assistant", "t0")]
     assert (turns[0].prompt_ids, turns[0].completion_ids, turns[0].logprobs, turns[0].loss_mask) == (
         [1, 2, 2**31 - 1], [3], [-0.1], [0, 0, 1, 1])
     assert (turns[1].prompt_ids, turns[1].logprobs, turns[1].loss_mask) == (None, None, None)

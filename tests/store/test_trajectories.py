@@ -160,7 +160,7 @@ def test_iter_trajectories_reads_500_runs_with_a_bounded_number_of_connections(s
     with _count_connections(store, opened):
         back = list(store.iter_trajectories(kind="train", batch_size=200))
     assert [t.id for t in back] == [t.id for t in episodes]
-    assert len(opened) == 1 + 3  # the run query, then one per batch of 200
+    assert len(opened) == 3  # the run query with the first batch of 200, then one per further batch
     assert all(len(t.turns) == 1 and len(t.messages) == 4 for t in back)
     assert back[123].turns[0].prompt_ids == episodes[123].turns[0].prompt_ids
     assert back[123].turns[0].message == episodes[123].turns[0].message
