@@ -84,18 +84,19 @@ class CGPProbe(nn.Module):
         p = F.normalize(self.prototype_vectors, dim=1).flatten(1)  # P, D
         act = torch.einsum("bdtf,pd->bptf", x, p).reshape(b, self.num_prototypes, t * f)
         if mask is None:
-            lo, hi, mu = act.min(-1).values, act.max(-1).values, act.mean(-1)
+            lo, hi = act.min(-1).values, act.max(-1).values
         else:
             m = mask.reshape(b, 1, t * f).to(torch.bool)
             if not bool(m.any(-1).all()):
                 raise ValueError("every example needs at least one unmasked patch")
             lo = act.masked_fill(~m, math.inf).min(-1).values
             hi = act.masked_fill(~m, -math.inf).max(-1).values
-            mu = (act * m).sum(-1) / m.sum(-1)
         if self.use_cls:
             middle = torch.einsum("l,lbd->bd", a, F.normalize(cls, dim=2)) @ p.T
+        elif mask is None:
+            middle = act.mean(-1)
         else:
-            middle = mu
+            middle = (act * m).sum(-1) / m.sum(-1)
         return torch.stack([lo, middle, hi], dim=-1).reshape(b, 3 * self.num_prototypes)
 
     def forward(self, patch: torch.Tensor, cls: torch.Tensor | None = None,
