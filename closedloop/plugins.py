@@ -25,7 +25,9 @@ def available(group: str) -> dict[str, Any]:
 def load(group: str, name: str) -> Callable[..., Any]:
     eps = available(group)
     if name not in eps:
-        raise PluginNotFound(f"no {group.split('.')[-1][:-1]} named {name!r}; available: {sorted(eps)}")
+        kind = {"closedloop.tools": "tool module", "closedloop.environments": "environment"}.get(
+            group, group.split('.')[-1][:-1])
+        raise PluginNotFound(f"no {kind} named {name!r}; available: {sorted(eps)}")
     return eps[name].load()
 
 
