@@ -129,19 +129,21 @@ def _turn_texts(turn: Turn, spec: str | None, unavailable: str | None) -> str:
 
 
 def prepare_turn(turn: Turn, secrets: list[str], message_json: str | None = None, *,
-                 clean: bool = False) -> PreparedTurn:
+                 clean: bool = False, unavailable: str | None = None) -> PreparedTurn:
     """Redaction, token counts and the array BLOBs, done before any transaction so the file lock
     is held briefly.
 
     ``message_json``: the turn's message already prepared (it is usually also in the message
     list of its trajectory), so it is not serialised and redacted twice. Every text field is
     checked for secrets (token ids, logprobs and the mask are numbers and cannot hold one);
-    ``clean``: the caller has checked them already, with :func:`might_hold_secret` answering no.
+    ``clean``: the caller has checked them already, with :func:`might_hold_secret` answering no
+    (and passes ``unavailable`` as it serialised it for that check).
     """
     if message_json is None:
         message_json = _message_json(turn.message, secrets)
     spec = _spec_json(turn.logprob_spec)
-    unavailable = json.dumps(turn.unavailable) if turn.unavailable else None
+    if unavailable is None and turn.unavailable:
+        unavailable = json.dumps(turn.unavailable)
     model, finish, purpose, text = turn.model, turn.finish_reason, turn.purpose, turn.completion_text
     if not clean and might_hold_secret(_turn_texts(turn, spec, unavailable), secrets):
         def scrub(value: str | None) -> str | None:
@@ -180,9 +182,9 @@ def prepare_episode(messages: Sequence[_Message], turns: Sequence[Turn],
     jsons = [m.model_dump_json(exclude_none=True) for m in messages]
     by_id = {id(m): i for i, m in enumerate(messages)}
     turn_jsons = [None if id(t.message) in by_id else t.message.model_dump_json(exclude_none=True) for t in turns]
+    unavailable = [json.dumps(t.unavailable) if t.unavailable else None for t in turns]
     texts = [*jsons, *(j for j in turn_jsons if j is not None),
-             *(_turn_texts(t, _spec_json(t.logprob_spec), json.dumps(t.unavailable) if t.unavailable else None)
-               for t in turns)]
+             *(_turn_texts(t, _spec_json(t.logprob_spec), u) for t, u in zip(turns, unavailable))]
     clean = not might_hold_secret("\0".join(texts), secrets)
     if not clean:
         jsons = [js if not might_hold_secret(js, secrets) else _redacted_message_json(m, secrets)
@@ -191,7 +193,8 @@ def prepare_episode(messages: Sequence[_Message], turns: Sequence[Turn],
                       else _redacted_message_json(t.message, secrets) for t, js in zip(turns, turn_jsons)]
     prepared_messages = [(m.role, js) for m, js in zip(messages, jsons)]
     return prepared_messages, [prepare_turn(t, secrets, js if js is not None else jsons[by_id[id(t.message)]],
-                                            clean=clean) for t, js in zip(turns, turn_jsons)]
+                                            clean=clean, unavailable=u)
+                               for t, js, u in zip(turns, turn_jsons, unavailable)]
 
 
 def prepare_tool_call(call_id: str | None, name: str, arguments: str, content: str, error: str | None,

@@ -590,7 +590,9 @@ class RunStore:
                               _format_error(spec.error), p_tok, c_tok, cost, tags, meta))
 
         def write(con: duckdb.DuckDBPyConnection) -> list[str]:
-            taken = con.execute("SELECT id FROM runs WHERE list_contains(?, id) LIMIT 5", [ids]).fetchall()
+            # A semi-join (hashed), not list_contains: that compares every run with every new id.
+            taken = con.execute("SELECT id FROM runs WHERE id IN (SELECT unnest(?::VARCHAR[])) LIMIT 5",
+                                [ids]).fetchall()
             if taken:
                 raise RunStateError(f"a run with id {taken[0][0]!r} already exists"
                                     + (f" (and {len(taken) - 1} more)" if len(taken) > 1 else ""))
@@ -715,11 +717,11 @@ class RunStore:
             msgs: dict[str, list[str]] = {i: [] for i in ids}
             rows: dict[str, list[tuple[Any, ...]]] = {i: [] for i in ids}
             if ids:
-                for rid, js in con.execute("SELECT run_id, json FROM messages WHERE list_contains(?, run_id) "
-                                           "ORDER BY run_id, idx", [ids]).fetchall():
+                for rid, js in con.execute("SELECT run_id, json FROM messages WHERE run_id IN "
+                                           "(SELECT unnest(?::VARCHAR[])) ORDER BY run_id, idx", [ids]).fetchall():
                     msgs[rid].append(js)
-                for row in con.execute(f"SELECT run_id, {_TURN_READ} FROM turns WHERE list_contains(?, run_id) "
-                                       "ORDER BY run_id, idx", [ids]).fetchall():
+                for row in con.execute(f"SELECT run_id, {_TURN_READ} FROM turns WHERE run_id IN "
+                                       "(SELECT unnest(?::VARCHAR[])) ORDER BY run_id, idx", [ids]).fetchall():
                     rows[row[0]].append(row[1:])
             return msgs, rows
 
