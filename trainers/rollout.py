@@ -5,7 +5,8 @@ A registered graph (``react``, ``clarifier``, any plugin graph) is compiled as a
 environment step sends the graph the messages it has not seen yet, the graph's model node samples
 one turn (token-exact: the ids the trainer optimises are the ids that were sampled, never
 re-tokenised text), and the environment executes the tool calls or lets its user answer. Each
-episode has its own graph thread (in-memory checkpointer), so graph state outside the messages
+episode has its own graph thread (in-memory checkpointer, written once as each step's run exits;
+none for one-step episodes, whose thread never resumes), so graph state outside the messages
 (the clarifier's belief and question budget) lives across the episode as it does in evaluation.
 
 G episodes start from the identical initial state (``env.areset(seed)`` with the same seed) and
@@ -74,16 +75,20 @@ class GraphPolicy:
             self._factory = plugins.load("closedloop.graphs", self.graph) if isinstance(self.graph, str) else self.graph
         return self._factory
 
-    def build(self, tools: list[dict[str, Any]], params: SamplingParams | None = None):
+    def build(self, tools: list[dict[str, Any]], params: SamplingParams | None = None, *, persistent: bool = True):
+        """Compile the graph as a one-step policy. ``persistent``: with an in-memory checkpointer,
+        so a thread's state carries over between the steps of an episode; an episode of one step
+        never resumes its thread and skips the checkpoint writes (``persistent=False``)."""
         return self.factory()(self.client, SchemaTools(tools), system_prompt=None, params=params or self.params,
-                              execute_tools=False, checkpointer=make_checkpointer("memory"), **self.options)
+                              execute_tools=False, checkpointer=make_checkpointer("memory") if persistent else None,
+                              **self.options)
 
-    def shared(self, tools: list[dict[str, Any]], cache: dict[str, Any]):
+    def shared(self, tools: list[dict[str, Any]], cache: dict[str, Any], *, persistent: bool = True):
         """The graph the episodes of one rollout batch share for these tools (built on first use;
         each episode passes its sample seed in its run config)."""
-        key = json.dumps(tools, sort_keys=True, default=str)
+        key = json.dumps([tools, persistent], sort_keys=True, default=str)
         if key not in cache:
-            cache[key] = self.build(tools)
+            cache[key] = self.build(tools, persistent=persistent)
         return cache[key]
 
 
@@ -118,7 +123,9 @@ async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, m
     env = make_env()
     obs, info = await env.areset(seed=seed)
     tools = info.get("tools") or []
-    graph = policy.shared(tools, graphs) if graphs is not None else policy.build(tools)
+    persistent = max_steps > 1  # a one-step episode never resumes its graph thread
+    graph = policy.shared(tools, graphs, persistent=persistent) if graphs is not None else \
+        policy.build(tools, persistent=persistent)
     config: dict[str, Any] = {"configurable": {"thread_id": uuid.uuid4().hex}}
     if sample_seed is not None:
         config["configurable"][SAMPLING_SEED] = sample_seed
