@@ -13,23 +13,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from closedloop.tools.arbg import ARModel, energy_w2, ess, filter_logits, run_toy, sequence_log_prob, snis_weights
-
-
-def best_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+from _timing import best_time
 
 
 def prefix_loop(model: ARModel, bins: torch.Tensor, temperature: float, top_p: float | None) -> torch.Tensor:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import time
 from pathlib import Path
 
 import torch
 
 from closedloop.tools.cgp_probe import CGPProbe
+from _timing import best_time
 
 
 def official_class():
@@ -26,16 +26,6 @@ def official_class():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.OfficialCGP
-
-
-def best_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main() -> None:

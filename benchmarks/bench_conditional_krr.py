@@ -9,21 +9,12 @@ Empty F must match KernelRidge (same estimator), so the ratio is pure solver ove
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 from sklearn.kernel_ridge import KernelRidge
 
 from closedloop.tools.conditional_krr import ConditionalKernelRidge
-
-
-def best_time(fn, repeats: int) -> tuple[float, np.ndarray]:
-    times, out = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), out
+from _timing import best_time_and_result as best_time
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import time
 from pathlib import Path
 
 import sacrebleu
@@ -22,17 +21,9 @@ import sacrebleu
 from closedloop.messages import AssistantMessage, UserMessage
 from closedloop.models.scripted import ScriptedClient
 from closedloop.tools.culture_mt import corpus_scores, judge_notes, load_hypotheses, load_notes, sentence_scores
+from _timing import best_time_and_result as best_time
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "tools" / "data"
-
-
-def best_time(fn, repeats: int):
-    times, out = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), out
 
 
 def main() -> None:

@@ -11,13 +11,13 @@ loop leaving block ℓ out, on a residual MLP stack, and prints the ratio, the a
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
 from torch import nn
 
 from closedloop.tools.fog_attribution import fog_deltas
+from _timing import best_time
 
 
 class Block(nn.Module):
@@ -51,16 +51,6 @@ def reference(model: Stack, batches) -> np.ndarray:
         for i in range(len(model.blocks)):
             out[i] += float((model(x, skip=i) - v).pow(2).mean().sqrt() / v.pow(2).mean().sqrt())
     return out / len(batches)
-
-
-def best_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main() -> None:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import time
 from pathlib import Path
 
 import torch
 
 from closedloop.tools.phalar import BilinearSimilarity, ComplexHead, CQTFrontend, LearnedSpectralPooling, to_stacked
+from _timing import best_time
 
 
 def official():
@@ -27,17 +27,6 @@ def official():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def best_time(fn, repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main() -> None:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import scipy.linalg as sla
@@ -20,15 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from closedloop.tools.starcaster import av_sync, frechet_distance, gaussian_fit
-
-
-def best_time(fn, repeats: int):
-    times, out = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), out
+from _timing import best_time_and_result as best_time
 
 
 def syncnet_loop(v: np.ndarray, a: np.ndarray, vshift: int) -> np.ndarray:

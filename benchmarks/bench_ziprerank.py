@@ -13,22 +13,12 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 
 import numpy as np
 import torch
 
 from closedloop.tools.ziprerank import ListwiseReranker, qi_ei_prune
-
-
-def best_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+from _timing import best_time
 
 
 def numpy_prune(text: np.ndarray, patches: np.ndarray, rho: float) -> np.ndarray:
