@@ -143,7 +143,9 @@ def route_after_model(max_turns: int | None = None) -> Callable[[AgentState], st
         last = messages[-1] if messages else None
         if not isinstance(last, AssistantMessage) or not last.tool_calls:
             return END
-        if max_turns is not None and len(state.get("turns", [])) >= max_turns:
+        # Only the policy's own turns count: helper calls (trainable=False, e.g. the clarifier's
+        # goal proposal) must not use up the agent's budget.
+        if max_turns is not None and sum(1 for t in state.get("turns", []) if t.trainable) >= max_turns:
             return END
         return "tools"
 

@@ -102,3 +102,15 @@ async def test_streamed_tokens_and_recorder_see_every_step():
     assert ("token", "done") in events
     assert recorded == [(1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 0)]  # input, model, tools, model
     assert result.state["messages"][-1].content == "done"
+
+
+def test_max_turns_counts_only_the_policys_own_turns():
+    from closedloop.messages import AssistantMessage, ToolCall, Turn
+    from closedloop.runtime.nodes import route_after_model
+
+    call = AssistantMessage(tool_calls=[ToolCall.make("add", {"a": 1, "b": 2})])
+    helper = Turn(message=AssistantMessage(content="goals"), trainable=False, purpose="propose_goals")
+    policy = Turn(message=call)
+    route = route_after_model(max_turns=2)
+    assert route({"messages": [call], "turns": [helper, helper, policy]}) == "tools"
+    assert route({"messages": [call], "turns": [policy, helper, policy]}) != "tools"
