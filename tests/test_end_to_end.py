@@ -6,48 +6,26 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 from transformers import AutoTokenizer
 
 from closedloop.cli import main
 from closedloop.models.chat_format import parse_completion
+from closedloop.server.local import serve_subprocess
 from closedloop.store import RunStore
 
 pytestmark = pytest.mark.slow
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_path):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "closedloop", "serve", "--model", f"hf:{tiny_model_path}",
-                             "--served-name", "tiny", "--port", str(port), "--torch-threads", "1"],
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read().decode())
-        try:
-            if httpx.get(f"{url}/models", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    yield url
-    proc.terminate()
-    proc.wait(10)
+    with serve_subprocess(f"hf:{tiny_model_path}", "--torch-threads", "1", env=ENV) as url:
+        yield url
 
 
 def _run_cli(args: list[str], stdin: str = "") -> subprocess.CompletedProcess:

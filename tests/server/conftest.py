@@ -6,17 +6,15 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import socket
-import threading
 import time
 from typing import Any, AsyncIterator, Iterator
 
 import pytest
-import uvicorn
 
 from closedloop.messages import AssistantMessage, ToolCall, Turn, Usage, _Message, content_text
 from closedloop.models.base import ModelClient, SamplingParams, StreamEvent, TextDelta, ToolChoice, TurnDone
 from closedloop.server import create_app
+from closedloop.server.local import free_port, serve_app  # noqa: F401 (the tests import them from here)
 
 WORDS = ["alpha", "beta", "gamma", "delta", "echo", "fox", "golf", "hotel", "india", "juliet"]
 
@@ -102,36 +100,11 @@ class WordClient(ModelClient):
         yield TurnDone(turn)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve_in_thread(client: ModelClient, model_name: str, **kw: Any) -> Iterator[str]:
     """Serve ``client`` under a real uvicorn server; yields the base URL (``.../v1``)."""
     with serve_app(create_app(client, model_name, **kw)) as url:
         yield url
-
-
-@contextlib.contextmanager
-def serve_app(app: Any) -> Iterator[str]:
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("test server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

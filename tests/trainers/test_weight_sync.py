@@ -6,16 +6,12 @@ unless asked for and refuses bad directories whole. The vLLM path runs only with
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,6 +21,7 @@ import torch
 
 from closedloop.messages import UserMessage
 from closedloop.models.base import SamplingParams
+from closedloop.server.local import free_port, serve_app, serve_subprocess
 from closedloop.trainers.grpo import GRPOConfig, train_grpo
 from closedloop.trainers.weight_sync import (ClosedloopServerSync, InProcessSync, LiveSync, make_weight_sync,
                                              named_weights, server_root)
@@ -35,62 +32,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", 
 PROMPT = "What is 3 plus 4?"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _serve_cli(model_dir: Path, *extra: str) -> Iterator[str]:
-    """``closedloop serve`` as a user starts it; yields the base URL (``.../v1``)."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "closedloop", "serve", "--model", f"hf:{model_dir}",
-                             "--served-name", "tiny", "--port", str(port), "--torch-threads", "1", *extra],
-                            cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.time() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(proc.stdout.read().decode())
-            try:
-                if httpx.get(f"{url}/models", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("closedloop serve did not start")
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-@contextlib.contextmanager
-def _serve_app(app: Any) -> Iterator[str]:
-    import uvicorn
-
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("test server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def weight_server(tiny_model_path) -> Iterator[str]:
-    with _serve_cli(tiny_model_path, "--allow-weight-updates") as url:
+    with serve_subprocess(f"hf:{tiny_model_path}", "--torch-threads", "1", "--allow-weight-updates", env=ENV,
+                          cwd=REPO) as url:
         yield url
 
 
@@ -192,7 +137,7 @@ def test_bad_directories_are_refused_whole(weight_server, tiny_model_path, tmp_p
 def test_weight_updates_are_off_unless_the_server_allows_them(tiny_client, tiny_model_path, tmp_path):
     from closedloop.server import create_app
 
-    with _serve_app(create_app(tiny_client, "tiny")) as url:
+    with serve_app(create_app(tiny_client, "tiny")) as url:
         status = httpx.get(server_root(url) + "/closedloop/v1/weights", timeout=10).json()
         assert status["weight_updates"] is False
         r = _load(url, tiny_model_path)
@@ -209,7 +154,7 @@ def test_the_sync_is_chosen_by_the_rollout_engine(tiny_client, tiny_model_path, 
     assert isinstance(hf, InProcessSync) and hf.kind == "hf"
     with pytest.raises(NotImplementedError, match="closedloop serve"):
         make_weight_sync(tiny_client, GRPOConfig(model="m", output_dir=str(tmp_path), rollout_model="openai:gpt-4o"))
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     with pytest.raises(ConnectionError):
         make_weight_sync(tiny_client, GRPOConfig(model="m", output_dir=str(tmp_path),
                                                  rollout_model=f"openai:x@http://127.0.0.1:{port}/v1"), timeout_s=2)
