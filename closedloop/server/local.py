@@ -72,12 +72,17 @@ def serve_subprocess(model: str, *extra: str, served_name: str = "tiny", port: i
             time.sleep(0.3)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc)
 
 
-__all__ = ["free_port", "serve_app", "serve_subprocess"]
+def stop_process(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """Terminate a server process, killing it if it does not exit within ``grace_s``."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+__all__ = ["free_port", "serve_app", "serve_subprocess", "stop_process"]

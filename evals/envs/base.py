@@ -9,6 +9,7 @@ agents use, so a malformed call gets the same error message a graph would show t
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 import os
 import random
 import re
@@ -78,7 +79,7 @@ def fresh_seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
 
-class BuiltinEnv:
+class BuiltinEnv(ABC):
     """Episode bookkeeping for the built-in environments (see :mod:`closedloop.env` for the contract).
 
     Subclasses set ``name``, ``Options`` and implement ``_setup(rng)`` (build the episode: returns
@@ -103,14 +104,17 @@ class BuiltinEnv:
 
     # ------------------------------------------------------------------ to implement
 
+    @abstractmethod
     def _setup(self, rng: random.Random) -> list[_Message]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     async def _act(self, message: AssistantMessage) -> tuple[list[_Message], dict[str, float], bool, dict[str, Any]]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _max_turns(self) -> int:
-        raise NotImplementedError
+        ...
 
     def _episode_info(self) -> dict[str, Any]:
         """Counters reported in every step's info (and at reset)."""
@@ -120,8 +124,9 @@ class BuiltinEnv:
         """Components added on the step that hits ``max_turns`` (the episode ends unfinished)."""
         return {}
 
+    @abstractmethod
     def expert_action(self) -> AssistantMessage:
-        raise NotImplementedError
+        ...
 
     # ------------------------------------------------------------------ protocol
 

@@ -24,6 +24,7 @@ pytest.importorskip("mcp")
 
 from closedloop import plugins  # noqa: E402
 from closedloop.mcp_server import PathOutsideWorkdir, check_paths  # noqa: E402
+from closedloop.server.local import stop_process  # noqa: E402
 
 MODULES = "arithmetic,mesh_certificate"
 FACES = [[0, 1, 2], [1, 3, 2]]
@@ -127,12 +128,7 @@ def _run_http(work: Path, outside: Path, env: dict[str, str], log: Path) -> dict
 
         return asyncio.run(go())
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module", params=["stdio", "http"])

@@ -35,6 +35,7 @@ from closedloop.messages import MissingTokensError, ToolMessage, Trajectory, Tur
 from closedloop.models import SamplingParams, TextDelta, TurnDone
 from closedloop.models.openai_client import OpenAIClient
 from closedloop.models.server_features import forget_server_features
+from closedloop.server.local import stop_process
 from closedloop.store import RunStore
 
 from .conftest import free_port, serve_in_thread
@@ -100,12 +101,7 @@ def transformers_server(tiny_model_path, tmp_path_factory) -> Iterator[Server]:
         _wait_ready(f"http://127.0.0.1:{port}/health", proc, log)
         yield Server("transformers", f"http://127.0.0.1:{port}/v1", str(tiny_model_path), ours=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from closedloop.models.base import ModelClient
 def _anchors() -> Path:
     """The real tau2 data: $TAU2_DATA_DIR, else ../shared/anchors beside the repository."""
     repo = Path(__file__).resolve().parents[3]
-    for cand in (os.environ.get("TAU2_DATA_DIR"), repo.parent / "shared" / "anchors", "/work/shared/anchors"):
+    for cand in (os.environ.get("TAU2_DATA_DIR"), repo.parent / "shared" / "anchors"):
         if cand and (Path(cand) / "tau2" / "domains" / "retail").is_dir():
             return Path(cand)
     return repo.parent / "shared" / "anchors"
