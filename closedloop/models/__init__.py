@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from closedloop.models.base import (GenerateRequest, ModelClient, ModelError, ModelUnavailableError,
+from closedloop.models.base import (ContextLengthExceededError, GenerateRequest, ModelClient, ModelError,
+                                    ModelUnavailableError,
                                     SamplingParams, StreamEvent, TextDelta, ToolChoice, TurnDone)
 
-__all__ = ["ModelClient", "SamplingParams", "ModelError", "ModelUnavailableError", "GenerateRequest",
+__all__ = ["ModelClient", "SamplingParams", "ModelError", "ModelUnavailableError", "ContextLengthExceededError",
+           "GenerateRequest",
            "StreamEvent", "TextDelta", "TurnDone", "ToolChoice", "ModelSpec", "parse_spec", "make_client"]
 
 

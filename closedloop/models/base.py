@@ -39,6 +39,20 @@ class ModelUnavailableError(ModelError):
     """The model server cannot be reached (dead, wrong address, still starting)."""
 
 
+class ContextLengthExceededError(ModelError):
+    """The prompt (plus the tokens asked for) does not fit the model's context window.
+
+    Its own type, end to end (``hf:``, an ``openai:`` server's 4xx, ``closedloop serve``), because
+    callers treat it differently from every other failure: a benchmark scores it (tau2's
+    ``context_window_exceeded`` termination) instead of re-running it as an infrastructure error.
+    """
+
+    def __init__(self, message: str, *, prompt_tokens: int | None = None, limit: int | None = None) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
 @dataclass
 class TextDelta:
     text: str

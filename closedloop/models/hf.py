@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from closedloop.messages import LogprobSpec, Turn, Usage, _Message
-from closedloop.models.base import (GenerateRequest, ModelClient, ModelError, SamplingParams, StreamEvent,
+from closedloop.models.base import (ContextLengthExceededError, GenerateRequest, ModelClient, ModelError, SamplingParams,
+                                    StreamEvent,
                                     TextDelta, ToolChoice, TurnDone)
 from closedloop.models.batching import MicroBatcher, settle
 from closedloop.models.chat_format import decode_ids, encode_prompt, parse_completion
@@ -278,8 +279,9 @@ class HFClient(ModelClient):
                 if limit:
                     max_new = min(max_new, limit - len(prompt))
                     if max_new < 1:
-                        raise ModelError(f"prompt of {len(prompt)} tokens leaves no room in the model's "
-                                         f"{limit}-token context")
+                        raise ContextLengthExceededError(
+                            f"prompt of {len(prompt)} tokens leaves no room in the model's {limit}-token context",
+                            prompt_tokens=len(prompt), limit=limit)
                 seed = req.params.seed if req.params.seed is not None else secrets.randbits(63)
                 rows.append(_Row(req, prompt, max_new, torch.Generator().manual_seed(seed)))
             except Exception as e:  # a bad request fails alone, not its batch-mates

@@ -54,7 +54,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from closedloop.messages import Turn, _Message, content_text
-from closedloop.models.base import (ModelClient, ModelError, ModelUnavailableError, SamplingParams,
+from closedloop.models.base import (ContextLengthExceededError, ModelClient, ModelError, ModelUnavailableError, SamplingParams,
                                     TextDelta, TurnDone)
 from closedloop.server.schemas import (ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs,
                                        CompletionTokensDetails, DiscardedAttempt, ErrorBody, ErrorResponse,
@@ -112,8 +112,8 @@ def _model_failure(e: Exception) -> APIError:
         return APIError(503, f"model unavailable: {e}", type="server_error", code="model_unavailable")
     if isinstance(e, ValueError):
         return APIError(400, str(e), code="invalid_value")
-    if isinstance(e, ModelError) and "context" in str(e) and "prompt" in str(e):
-        # The hf: backend reports an over-long prompt this way; like OpenAI, that is the caller's.
+    if isinstance(e, ContextLengthExceededError):
+        # Like OpenAI: an over-long prompt is the caller's fault, with its own code.
         return APIError(400, str(e), param="messages", code="context_length_exceeded")
     log.error("model call failed", exc_info=e)
     kind = "model error" if isinstance(e, ModelError) else "internal error"
