@@ -239,6 +239,18 @@ class LogprobSpec(BaseModel):
             (self.mode == "raw" and self.temperature == 1.0 and self.top_p >= 1.0)
 
 
+class MediaRef(BaseModel):
+    """A content address for one image or audio part of a turn's prompt (see
+    :mod:`closedloop.models.multimodal`): with the messages, it pins exactly what the model saw."""
+
+    kind: Literal["image", "audio"]
+    sha256: str
+    mime: str | None = None
+    size: int = 0
+    message: int  # index in the prompt's message list
+    part: int  # index in that message's content parts
+
+
 class Turn(BaseModel):
     """One model call: the assistant message it produced plus, when known, its exact tokens.
 
@@ -269,6 +281,7 @@ class Turn(BaseModel):
     trainable: bool = True
     purpose: str = "policy"
     unavailable: dict[str, str] = Field(default_factory=dict)
+    media: list[MediaRef] = Field(default_factory=list)  # the prompt's images/audio, in order
 
     @property
     def has_tokens(self) -> bool:

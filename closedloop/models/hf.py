@@ -40,12 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
 
-from closedloop.messages import LogprobSpec, Turn, Usage, _Message
+from closedloop.messages import LogprobSpec, MediaRef, Turn, Usage, _Message
 from closedloop.models.base import (ContextLengthExceededError, GenerateRequest, ModelClient, ModelError, SamplingParams,
                                     StreamEvent,
                                     TextDelta, ToolChoice, TurnDone)
 from closedloop.models.batching import MicroBatcher, settle
 from closedloop.models.chat_format import decode_ids, encode_prompt, parse_completion
+from closedloop.models.multimodal import require_text_only
 
 log = logging.getLogger("closedloop.models.hf")
 
@@ -84,6 +85,8 @@ class _Row:
     prefix_offset: int = 0
     read_offset: int = 0
     finish: str | None = None
+    extras: dict[str, Any] | None = None  # model inputs beside the ids (a VLM's pixel_values ...)
+    media: list[MediaRef] = field(default_factory=list)
 
 
 class HFClient(ModelClient):
@@ -168,6 +171,16 @@ class HFClient(ModelClient):
                       tool_choice: ToolChoice | None = None) -> list[int]:
         """The exact prompt token ids the model will see (chat template, tools, generation prompt)."""
         return encode_prompt(self.tokenizer, messages, tools, tool_choice)
+
+    def _encode_request(self, req: _Request) -> tuple[list[int], dict[str, Any] | None, list[MediaRef]]:
+        """Prompt ids, extra model inputs and media references of one request. A text model has
+        no extras and refuses media parts with a clear error (multimodal clients override this)."""
+        require_text_only(req.messages, self.spec)
+        return self.encode_prompt(req.messages, req.tools, req.tool_choice), None, []
+
+    def _prefill_inputs(self, rows: list[_Row], device: Any) -> dict[str, Any]:
+        """Extra keyword inputs of the batch's first forward pass (none for a text model)."""
+        return {}
 
     def decode(self, ids: list[int]) -> str:
         """Token ids to text with special tokens kept, the inverse the turn record relies on."""
@@ -267,14 +280,15 @@ class HFClient(ModelClient):
 
         rows: list[_Row] = []
         limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        prompts: dict[str, list[int]] = {}  # a GRPO group sends one prompt G times: render it once
+        # A GRPO group sends one prompt G times: render it once.
+        prompts: dict[str, tuple[list[int], dict[str, Any] | None, list[MediaRef]]] = {}
         for req in reqs:
             try:
                 key = json.dumps([[m.model_dump_json() for m in req.messages], req.tools, req.tool_choice],
                                  default=str)
                 if key not in prompts:
-                    prompts[key] = self.encode_prompt(req.messages, req.tools, req.tool_choice)
-                prompt = list(prompts[key])
+                    prompts[key] = self._encode_request(req)
+                prompt, extras, media = list(prompts[key][0]), prompts[key][1], prompts[key][2]
                 max_new = req.params.max_tokens
                 if limit:
                     max_new = min(max_new, limit - len(prompt))
@@ -283,7 +297,8 @@ class HFClient(ModelClient):
                             f"prompt of {len(prompt)} tokens leaves no room in the model's {limit}-token context",
                             prompt_tokens=len(prompt), limit=limit)
                 seed = req.params.seed if req.params.seed is not None else secrets.randbits(63)
-                rows.append(_Row(req, prompt, max_new, torch.Generator().manual_seed(seed)))
+                rows.append(_Row(req, prompt, max_new, torch.Generator().manual_seed(seed), extras=extras,
+                                 media=media))
             except Exception as e:  # a bad request fails alone, not its batch-mates
                 self._resolve(req, error=e)
         if not rows:
@@ -356,7 +371,7 @@ class HFClient(ModelClient):
             cache = DynamicCache()
         input_ids, attn, positions = input_ids.to(device), attn.to(device), positions.to(device)
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self._cache_kw: cache})
+                         logits_to_keep=1, **self._prefill_inputs(rows, device), **{self._cache_kw: cache})
         next_pos = positions[:, -1:] + 1
         ones = torch.ones((n, 1), dtype=attn.dtype, device=device)
         for t in range(steps):
@@ -452,5 +467,6 @@ class HFClient(ModelClient):
         return Turn(message=message, model=self.name, prompt_ids=list(r.prompt_ids), completion_ids=list(r.ids),
                     logprobs=list(r.logprobs), loss_mask=[0] * len(r.prompt_ids) + [1] * len(r.ids),
                     logprob_spec=hf_logprob_spec(r.req.params), completion_text=text, finish_reason=finish,
+                    media=list(r.media),
                     usage=Usage(prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.ids)),
                     latency_s=time.perf_counter() - r.req.submitted)
