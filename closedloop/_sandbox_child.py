@@ -1,0 +1,191 @@
+"""The sandboxed side of :mod:`closedloop.sandbox` (stdlib only; runs before any target code).
+
+Run as ``python -I _sandbox_child.py REQUEST.json``. It applies the limits to itself (rlimits,
+Landlock write confinement), imports ``package.module:function``, calls it and writes a JSON
+result next to the request. The parent never unpickles anything from here: JSON only.
+
+It ends with ``os._exit`` so that threads a hostile target left behind cannot keep the
+interpreter alive after the result is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import importlib
+import inspect
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+
+# Landlock (Linux >= 5.13): confine writes to the working directories. Reads stay allowed:
+# the interpreter, torch and compilers must read the whole system.
+_WRITE_FILE = 1 << 1
+_FS_WRITE_RIGHTS_V1 = sum(1 << b for b in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12))  # write, remove, make*
+_REFER = 1 << 13  # ABI 2
+_TRUNCATE = 1 << 14  # ABI 3
+_NET_BIND, _NET_CONNECT = 1 << 0, 1 << 1  # ABI 4
+_SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
+_SYS_CREATE, _SYS_ADD_RULE, _SYS_RESTRICT = 444, 445, 446
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _landlock(writable: list[str], deny_network: bool) -> dict[str, bool]:
+    """Restrict this process (and its descendants) to writing under ``writable``; optionally deny
+    TCP bind/connect and signals/abstract sockets outside the sandbox. Returns what was enforced."""
+    done = {"filesystem": False, "landlock_network": False}
+    if not sys.platform.startswith("linux"):
+        return done
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    abi = libc.syscall(_SYS_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    if abi < 1:
+        return done
+    fs = _FS_WRITE_RIGHTS_V1 | (_REFER if abi >= 2 else 0) | (_TRUNCATE if abi >= 3 else 0)
+    net = (_NET_BIND | _NET_CONNECT) if (deny_network and abi >= 4) else 0
+    scoped = (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if abi >= 6 else 0
+    attr = _RulesetAttr(fs, net, scoped)
+    size = ctypes.sizeof(_RulesetAttr) if abi >= 6 else 16
+    fd = libc.syscall(_SYS_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if fd < 0:
+        return done
+    try:
+        for path in writable + ["/dev/null"]:
+            if not os.path.exists(path):
+                continue
+            is_dir = os.path.isdir(path)
+            rights = fs if is_dir else (_WRITE_FILE | (_TRUNCATE if abi >= 3 else 0))
+            pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            try:
+                rule = _PathBeneath(rights, pfd)
+                libc.syscall(_SYS_ADD_RULE, ctypes.c_int(fd), ctypes.c_int(1), ctypes.byref(rule), ctypes.c_uint32(0))
+            finally:
+                os.close(pfd)
+        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS, required by restrict_self
+            return done
+        if libc.syscall(_SYS_RESTRICT, ctypes.c_int(fd), ctypes.c_uint32(0)) != 0:
+            return done
+    finally:
+        os.close(fd)
+    done["filesystem"] = True
+    done["landlock_network"] = bool(net)
+    return done
+
+
+def _set_rlimits(limits: dict) -> dict[str, bool]:
+    done: dict[str, bool] = {}
+
+    def setl(res: int, soft: int, hard: int | None = None) -> bool:
+        try:
+            cur_soft, cur_hard = resource.getrlimit(res)
+            hard = soft if hard is None else hard
+            if cur_hard != resource.RLIM_INFINITY:
+                hard = min(hard, cur_hard)
+                soft = min(soft, hard)
+            resource.setrlimit(res, (soft, hard))
+            return True
+        except (ValueError, OSError):
+            return False
+
+    if limits.get("memory_mb"):
+        done["memory"] = setl(resource.RLIMIT_AS, int(limits["memory_mb"]) << 20)
+    if limits.get("cpu_s"):
+        s = max(1, int(limits["cpu_s"] + 0.999))
+        done["cpu"] = setl(resource.RLIMIT_CPU, s, s + 1)  # SIGXCPU, then SIGKILL one second later
+    if limits.get("open_files"):
+        done["open_files"] = setl(resource.RLIMIT_NOFILE, int(limits["open_files"]))
+    if limits.get("file_size_mb"):
+        done["file_size"] = setl(resource.RLIMIT_FSIZE, int(limits["file_size_mb"]) << 20)
+    if limits.get("processes"):
+        # RLIMIT_NPROC counts every task of the user in the current user namespace: meaningful
+        # (a cap on this sandbox alone) only inside our own user namespace.
+        # Real root is exempt from RLIMIT_NPROC, so it is not counted as enforced there.
+        if limits.get("_own_user_ns") and not limits.get("_root_outside"):
+            done["processes"] = setl(resource.RLIMIT_NPROC, int(limits["processes"]))
+        else:
+            done["processes"] = False
+    return done
+
+
+def _resolve(target: str):
+    if ":" not in target:
+        raise ValueError(f"target {target!r} must look like 'package.module:function'")
+    mod_name, _, attr = target.partition(":")
+    obj = importlib.import_module(mod_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    fn = getattr(obj, "fn", None)  # a closedloop.tool.Tool: call the plain function
+    if fn is not None and callable(fn):
+        obj = fn
+    if not callable(obj):
+        raise TypeError(f"target {target!r} is not callable")
+    return obj
+
+
+def _jsonable(value):
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        value = dump(mode="json")
+    return json.dumps(value, allow_nan=True)
+
+
+def _usage() -> dict:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    rc = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"cpu_s": ru.ru_utime + ru.ru_stime + rc.ru_utime + rc.ru_stime,
+            "max_rss_mb": max(ru.ru_maxrss, rc.ru_maxrss) / 1024.0}
+
+
+def main() -> None:
+    request_path = sys.argv[1]
+    with open(request_path) as fh:
+        req = json.load(fh)
+    result_path = req["result_path"]
+    enforced = _set_rlimits(req["limits"])
+    enforced.update(_landlock(req["writable"], deny_network=not req["limits"].get("network", False)))
+    with open(req["enforced_path"], "w") as fh:
+        json.dump(enforced, fh)
+    sys.path[:] = [p for p in req["sys_path"]]
+    out: dict
+    try:
+        fn = _resolve(req["target"])
+        value = fn(*req["args"], **req["kwargs"])
+        if inspect.isawaitable(value):
+            value = asyncio.run(_await(value))
+        out = {"status": "ok", "value_json": _jsonable(value)}
+    except BaseException as exc:  # noqa: BLE001 - every failure of untrusted code is a result
+        tb = traceback.format_exc()
+        status = "memory_exceeded" if isinstance(exc, MemoryError) else "error"
+        out = {"status": status, "error_type": type(exc).__name__, "error_message": str(exc)[:4000],
+               "traceback_tail": tb[-4000:]}
+    out.update(_usage())
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(out))
+    os.replace(tmp, result_path)
+    os._exit(0)
+
+
+async def _await(aw):
+    return await aw
+
+
+if __name__ == "__main__":
+    main()

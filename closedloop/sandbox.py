@@ -1,0 +1,319 @@
+"""Run untrusted code in a fresh, limited process and get a structured, JSON-only result back.
+
+Why a process and not a thread: a thread cannot be stopped, so a tool that times out keeps
+running (and writing) in the background; a process group can be killed. Why JSON only: the
+child may run hostile code, and unpickling its output would hand it the parent.
+
+What the child gets (each item reported in ``SandboxResult.enforced`` when the OS allowed it):
+
+- a fresh interpreter (``subprocess`` spawn, never fork), ``python -I``, in its own session and
+  process group, with a fresh temporary working directory that is removed afterwards;
+- rlimits: address space, CPU time, open files, file size, and processes (only inside its own
+  user namespace, where the count is the sandbox's own);
+- a wall-clock timeout that kills the whole process group (and the PID namespace when there is
+  one, so a child that calls ``setsid`` dies too);
+- a scrubbed environment: PATH, HOME and TMPDIR pointing at the working directory, one thread
+  per math library, and only the variables named in ``SandboxLimits.env``;
+- no network (a new network namespace through ``unshare -rn``) where user namespaces work;
+- writes confined to its directories with Landlock where the kernel has it;
+- stdout/stderr truncated to ``output_bytes``.
+
+Targets are named ``"package.module:function"`` and resolved in the child with the caller's
+``sys.path``; a :class:`closedloop.tool.Tool` target calls its ``.fn``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+__all__ = ["SandboxLimits", "SandboxResult", "run_sandboxed", "arun_sandboxed", "isolation_available"]
+
+_CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE, signal.SIGTRAP}
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                "VECLIB_MAXIMUM_THREADS")
+
+
+class SandboxLimits(BaseModel):
+    """What the child may use. ``None`` leaves a limit off."""
+
+    wall_s: float = 60.0
+    cpu_s: float | None = 60.0
+    memory_mb: int | None = 2048  # RLIMIT_AS (virtual address space, not RSS)
+    open_files: int | None = 256
+    processes: int | None = 64  # tasks (threads count) inside the sandbox's user namespace
+    file_size_mb: int | None = 64
+    output_bytes: int = 64_000
+    result_bytes: int = 16_000_000  # the JSON result is refused beyond this
+    network: bool = False
+    env: dict[str, str] = Field(default_factory=dict)  # extra variables kept in the scrubbed environment
+    writable_paths: list[str] = Field(default_factory=list)  # besides its own directory (e.g. a build cache)
+    python_path: list[str] | None = None  # the child's sys.path; default: the caller's
+    threads: int = 1  # OMP_NUM_THREADS and friends
+
+
+class SandboxResult(BaseModel):
+    """What happened. ``value`` is the target's JSON return value when ``status == "ok"``."""
+
+    status: Literal["ok", "error", "timeout", "killed", "crashed", "memory_exceeded"]
+    value: Any = None
+    error_type: str | None = None
+    error_message: str | None = None
+    traceback_tail: str | None = None
+    returncode: int | None = None
+    signal: str | None = None
+    stdout: str = ""
+    stderr: str = ""
+    wall_s: float = 0.0
+    cpu_s: float | None = None
+    max_rss_mb: float | None = None
+    enforced: dict[str, bool] = Field(default_factory=dict)
+    notes: list[str] = Field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@functools.lru_cache(maxsize=1)
+def _unshare_works() -> bool:
+    exe = shutil.which("unshare")
+    if exe is None or not sys.platform.startswith("linux"):
+        return False
+    try:
+        probe = subprocess.run([exe, "-rn", "--pid", "--fork", "--kill-child", "true"],
+                               capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+def isolation_available() -> dict[str, bool]:
+    """Whether network and PID namespaces can be created here (they are used when they can)."""
+    ok = _unshare_works()
+    return {"network": ok, "pid_namespace": ok}
+
+
+class _Prepared:
+    """Directories, request file, environment and command of one sandboxed call."""
+
+    def __init__(self, target: str, args: tuple, kwargs: dict, limits: SandboxLimits, cwd: str | Path | None):
+        if not isinstance(target, str) or ":" not in target:
+            raise ValueError(f"target must look like 'package.module:function', got {target!r}")
+        try:
+            args_json = json.loads(json.dumps(list(args)))
+            kwargs_json = json.loads(json.dumps(kwargs))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"sandboxed call arguments must be JSON-serialisable: {exc}") from None
+        self.limits = limits
+        self.root = Path(tempfile.mkdtemp(prefix="closedloop-sandbox-"))
+        self.own_cwd = cwd is None
+        self.work = self.root / "work" if cwd is None else Path(cwd).resolve()
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.io = self.root / "io"
+        self.io.mkdir()
+        self.use_ns = not limits.network and _unshare_works()
+        self.stdout_path, self.stderr_path = self.io / "stdout", self.io / "stderr"
+        self.result_path, self.enforced_path = self.io / "result.json", self.io / "enforced.json"
+        sys_path = limits.python_path if limits.python_path is not None else [
+            os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+        child_limits = limits.model_dump(include={"cpu_s", "memory_mb", "open_files", "file_size_mb",
+                                                   "processes", "network"})
+        child_limits["_own_user_ns"] = self.use_ns
+        child_limits["_root_outside"] = hasattr(os, "geteuid") and os.geteuid() == 0
+        request = {"target": target, "args": args_json, "kwargs": kwargs_json, "sys_path": sys_path,
+                   "limits": child_limits, "result_path": str(self.result_path),
+                   "enforced_path": str(self.enforced_path),
+                   "writable": [str(self.work), str(self.io)] + [str(Path(p).resolve()) for p in limits.writable_paths]}
+        (self.io / "request.json").write_text(json.dumps(request))
+        self.env = self._env()
+        cmd = [sys.executable, "-I", _CHILD, str(self.io / "request.json")]
+        if self.use_ns:
+            # sh is PID 1 of the new PID namespace (PID 1 ignores default-action signals, so the
+            # interpreter must not be it); when it exits, every process in the namespace dies.
+            cmd = [shutil.which("unshare") or "unshare", "-rn", "--pid", "--fork", "--kill-child",
+                   "/bin/sh", "-c", '"$@"; exit $?', "sandbox"] + cmd
+        self.cmd = cmd
+
+    def _env(self) -> dict[str, str]:
+        bin_dir = os.path.dirname(sys.executable)
+        path = os.pathsep.join([bin_dir, os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")])
+        env = {"PATH": path, "HOME": str(self.work), "TMPDIR": str(self.work), "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+               "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg"}
+        for var in _THREAD_VARS:
+            env[var] = str(self.limits.threads)
+        if os.environ.get("VIRTUAL_ENV"):
+            env["VIRTUAL_ENV"] = os.environ["VIRTUAL_ENV"]
+        env.update(self.limits.env)
+        return env
+
+    def open_outputs(self):
+        return open(self.stdout_path, "wb"), open(self.stderr_path, "wb")
+
+    def kill_group(self, pid: int) -> None:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _read_output(self, path: Path) -> str:
+        n = self.limits.output_bytes
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as fh:
+                if size <= n:
+                    data = fh.read()
+                    return data.decode("utf-8", "replace")
+                head = fh.read(n // 2)
+                fh.seek(size - n // 2)
+                tail = fh.read()
+        except OSError:
+            return ""
+        return (head.decode("utf-8", "replace") + f"\n[truncated {size - len(head) - len(tail)} bytes]\n"
+                + tail.decode("utf-8", "replace"))
+
+    def finish(self, returncode: int | None, timed_out: bool, wall_s: float) -> SandboxResult:
+        enforced: dict[str, bool] = {}
+        try:
+            enforced.update(json.loads(self.enforced_path.read_text()))
+        except (OSError, ValueError):
+            pass
+        enforced["network"] = (not self.limits.network) and self.use_ns
+        enforced["pid_namespace"] = self.use_ns
+        enforced["wall_clock"] = True
+        notes: list[str] = []
+        if not self.limits.network and not self.use_ns:
+            notes.append("network not isolated: user namespaces (unshare -rn) are unavailable here"
+                         + ("; TCP bind/connect denied by Landlock" if enforced.get("landlock_network") else ""))
+        if self.limits.processes and not enforced.get("processes"):
+            notes.append("process count not limited (RLIMIT_NPROC needs an own user namespace and a non-root "
+                         "user); the PID namespace and the wall clock still end every process")
+        if not enforced.get("filesystem"):
+            notes.append("writes outside the sandbox directory not prevented (no Landlock)")
+        common = dict(stdout=self._read_output(self.stdout_path), stderr=self._read_output(self.stderr_path),
+                      wall_s=wall_s, enforced=enforced, notes=notes, returncode=returncode)
+        sig = None
+        if returncode is not None:
+            if returncode < 0:
+                sig = -returncode
+            elif self.use_ns and returncode > 128:
+                sig = returncode - 128  # sh reports a signalled child as 128 + N
+        common["signal"] = signal.Signals(sig).name if sig and sig in signal.Signals._value2member_map_ else None
+        if timed_out:
+            return SandboxResult(status="timeout", error_type="Timeout",
+                                 error_message=f"wall-clock limit of {self.limits.wall_s:g} s exceeded; process group killed",
+                                 **common)
+        data = None
+        try:
+            if self.result_path.stat().st_size > self.limits.result_bytes:
+                return SandboxResult(status="error", error_type="ResultTooLarge",
+                                     error_message=f"result over {self.limits.result_bytes} bytes", **common)
+            data = json.loads(self.result_path.read_text())
+        except (OSError, ValueError):
+            data = None
+        if data is not None:
+            common.update(cpu_s=data.get("cpu_s"), max_rss_mb=data.get("max_rss_mb"))
+            if data.get("status") == "ok":
+                return SandboxResult(status="ok", value=json.loads(data["value_json"]), **common)
+            status = data.get("status", "error")
+            msg = data.get("error_message") or ""
+            if status == "error" and ("can't allocate memory" in msg or "std::bad_alloc" in msg):
+                status = "memory_exceeded"
+            return SandboxResult(status=status, error_type=data.get("error_type"), error_message=msg,
+                                 traceback_tail=data.get("traceback_tail"), **common)
+        # No result: the process died before it could report.
+        tail = common["stderr"][-2000:]
+        if sig in (signal.SIGXCPU,) or (sig == signal.SIGKILL and self.limits.cpu_s and "cpu" in enforced):
+            kind = "killed"
+            message = (f"killed by {common['signal']}: CPU time limit ({self.limits.cpu_s:g} s) exceeded"
+                       if sig == signal.SIGXCPU else f"killed by {common['signal']} (CPU or memory limit, or OOM killer)")
+        elif sig == signal.SIGXFSZ:
+            kind, message = "killed", f"killed by SIGXFSZ: file size limit ({self.limits.file_size_mb} MB) exceeded"
+        elif sig is not None and sig in _CRASH_SIGNALS:
+            kind, message = "crashed", f"crashed with {common['signal']}"
+        elif sig is not None:
+            kind, message = "killed", f"killed by {common['signal']}"
+        else:
+            kind, message = "crashed", f"exited with code {returncode} before reporting a result"
+        if "MemoryError" in tail or "bad_alloc" in tail or "can't allocate memory" in tail:
+            kind = "memory_exceeded"
+        return SandboxResult(status=kind, error_type=kind, error_message=message, traceback_tail=tail or None, **common)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        if not self.own_cwd:
+            return
+
+
+def run_sandboxed(target: str, /, *args: Any, limits: SandboxLimits | None = None,
+                  cwd: str | Path | None = None, **kwargs: Any) -> SandboxResult:
+    """Call ``target(*args, **kwargs)`` in a sandboxed child process and wait for it.
+
+    Arguments and the return value must be JSON-serialisable (pydantic models are dumped).
+    ``cwd`` gives the child an existing working directory instead of a fresh temporary one
+    (it is then writable and kept).
+    """
+    limits = limits or SandboxLimits()
+    prep = _Prepared(target, args, kwargs, limits, cwd)
+    try:
+        out, err = prep.open_outputs()
+        start = time.perf_counter()
+        with out, err:
+            proc = subprocess.Popen(prep.cmd, cwd=prep.work, env=prep.env, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=err, start_new_session=True, close_fds=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=limits.wall_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except BaseException:
+            prep.kill_group(proc.pid)
+            proc.wait()
+            raise
+        prep.kill_group(proc.pid)  # whatever the target left behind in its group
+        proc.wait()
+        return prep.finish(proc.returncode, timed_out, time.perf_counter() - start)
+    finally:
+        prep.cleanup()
+
+
+async def arun_sandboxed(target: str, /, *args: Any, limits: SandboxLimits | None = None,
+                         cwd: str | Path | None = None, **kwargs: Any) -> SandboxResult:
+    """Async :func:`run_sandboxed`. Cancelling the awaiting task kills the child's process group."""
+    limits = limits or SandboxLimits()
+    prep = _Prepared(target, args, kwargs, limits, cwd)
+    try:
+        out, err = prep.open_outputs()
+        start = time.perf_counter()
+        with out, err:
+            proc = await asyncio.create_subprocess_exec(*prep.cmd, cwd=prep.work, env=prep.env,
+                                                        stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                                        start_new_session=True)
+        timed_out = False
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=limits.wall_s)
+        except asyncio.TimeoutError:
+            timed_out = True
+        except BaseException:  # cancelled: stop the work, then let the cancellation through
+            prep.kill_group(proc.pid)
+            await asyncio.shield(proc.wait())
+            raise
+        prep.kill_group(proc.pid)
+        await proc.wait()
+        return prep.finish(proc.returncode, timed_out, time.perf_counter() - start)
+    finally:
+        prep.cleanup()
