@@ -1,8 +1,14 @@
 """Checkpointers that round-trip our pydantic types.
 
 LangGraph's serializer revives only allow-listed classes; anything else comes back as a dict
-(langgraph#7066) or, under ``LANGGRAPH_STRICT_MSGPACK``, is blocked. We list our state types
-explicitly instead of turning the allowlist off.
+(langgraph#7066), is revived with a "will be blocked in a future version" warning, or, under
+``LANGGRAPH_STRICT_MSGPACK``, is blocked. We list our state types explicitly instead of turning the
+allowlist off, in two places: the serializer of the savers we make (:func:`serializer`), and
+LangGraph's process-wide set of safe msgpack types (:func:`register_state_types`, run on import of
+:mod:`closedloop.runtime`), so a saver we did not configure (``InMemorySaver()``, the one
+``langgraph dev`` brings) revives them too. The second reaches into
+``langgraph.checkpoint.serde._msgpack.SAFE_MSGPACK_TYPES``, which LangGraph consults on every
+revival; LangGraph has no public registration hook yet, and a test fails if that set moves.
 """
 
 from __future__ import annotations
@@ -22,6 +28,18 @@ STATE_TYPES = [
     ("closedloop.messages", "Usage"),
     ("closedloop.runtime.state", "ToolRecord"),
 ]
+
+
+def register_state_types(extra: list[tuple[str, str]] | None = None) -> None:
+    """Add our state types (plus ``extra``) to LangGraph's safe msgpack types, for every checkpointer.
+
+    Each entry names one class by module and name (no prefixes), so nothing else is widened.
+    """
+    from langgraph.checkpoint.serde import _msgpack
+
+    wanted = frozenset(STATE_TYPES) | frozenset(extra or [])
+    if not wanted <= _msgpack.SAFE_MSGPACK_TYPES:
+        _msgpack.SAFE_MSGPACK_TYPES = _msgpack.SAFE_MSGPACK_TYPES | wanted
 
 
 def serializer(extra: list[tuple[str, str]] | None = None) -> JsonPlusSerializer:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from closedloop.messages import Turn, _Message
+from closedloop.runtime.convert import as_closedloop
 from closedloop.runtime.state import ToolRecord
 
 Event = tuple[str, Any]  # ("token", str) | ("message", Message) | ("tool", ToolRecord) | ("interrupt", value)
@@ -40,7 +41,7 @@ async def run_graph(graph: Any, graph_input: Any, *, config: dict[str, Any] | No
     state: dict[str, Any] = {}
     emit = on_event or (lambda event: None)
     if recorder is not None and isinstance(graph_input, dict) and graph_input.get("messages"):
-        recorder.record(list(graph_input["messages"]), [], [])  # the input is part of the run too
+        recorder.record(as_closedloop(_as_list(graph_input["messages"])), [], [])  # the input is part of the run too
     async for mode, chunk in graph.astream(graph_input, config, stream_mode=["updates", "custom", "values"]):
         if mode == "values":
             state = {k: v for k, v in chunk.items() if not k.startswith("__")}
@@ -57,7 +58,7 @@ async def run_graph(graph: Any, graph_input: Any, *, config: dict[str, Any] | No
                 continue
             if not isinstance(update, dict):
                 continue
-            messages = list(update.get("messages", []))
+            messages = as_closedloop(_as_list(update.get("messages", [])))
             turns = list(update.get("turns", []))
             records = list(update.get("tool_records", []))
             for m in messages:
@@ -65,3 +66,7 @@ async def run_graph(graph: Any, graph_input: Any, *, config: dict[str, Any] | No
             if recorder is not None and (messages or turns or records):
                 recorder.record(messages, turns, records)
     return GraphRun(state=state, interrupts=interrupts)
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else ([] if value is None else [value])

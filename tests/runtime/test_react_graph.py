@@ -62,7 +62,7 @@ async def test_approval_interrupt_survives_a_restart_with_sqlite(tmp_path):
         graph = build_react_graph(ScriptedClient(script), tool_registry(["arithmetic"]), approve=["add"],
                                   checkpointer=saver)
         first = await run_graph(graph, {"messages": [UserMessage(content="2+5?")]}, config=thread)
-    assert first.paused and first.interrupts[0]["name"] == "add"
+    assert first.paused and first.interrupts[0]["action_requests"][0]["name"] == "add"
     assert not first.state.get("tool_records")  # nothing ran before approval
 
     # a new process: new client (continuing the script), new saver on the same file
@@ -104,13 +104,14 @@ async def test_streamed_tokens_and_recorder_see_every_step():
     assert result.state["messages"][-1].content == "done"
 
 
-def test_max_turns_counts_only_the_policys_own_turns():
-    from closedloop.messages import AssistantMessage, ToolCall, Turn
-    from closedloop.runtime.nodes import route_after_model
+def test_max_turns_counts_only_the_model_calls_of_this_invocation():
+    from closedloop.messages import AssistantMessage, ToolCall
+    from closedloop.runtime.nodes import route_after_tools
 
     call = AssistantMessage(tool_calls=[ToolCall.make("add", {"a": 1, "b": 2})])
-    helper = Turn(message=AssistantMessage(content="goals"), trainable=False, purpose="propose_goals")
-    policy = Turn(message=call)
-    route = route_after_model(max_turns=2)
-    assert route({"messages": [call], "turns": [helper, helper, policy]}) == "tools"
-    assert route({"messages": [call], "turns": [policy, helper, policy]}) != "tools"
+    result = ToolMessage(tool_call_id=call.tool_calls[0].id, content="3")
+    route = route_after_tools(max_turns=2)
+    earlier = [UserMessage(content="a"), call, result, call, result, AssistantMessage(content="3")]
+    # two model calls in an earlier invocation do not count against this one
+    assert route({"messages": earlier + [UserMessage(content="b"), call, result]}) == "model"
+    assert route({"messages": earlier + [UserMessage(content="b"), call, result, call, result]}) == "__end__"
