@@ -92,7 +92,9 @@ async def _run(args: argparse.Namespace) -> int:
         status = "interrupted"
         raise
     except Exception as e:
-        error = f"{type(e).__name__}: {e}"
+        from closedloop.store.redact import redact_text
+
+        error = redact_text(f"{type(e).__name__}: {e}")  # a spec's URL key must not reach the terminal
         console.print(f"[red]error:[/red] {error}")
         return 1
     finally:

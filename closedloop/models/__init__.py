@@ -28,7 +28,10 @@ class ModelSpec:
     base_url: str | None = None
 
     def __str__(self) -> str:
-        return f"{self.backend}:{self.model}" + (f"@{self.base_url}" if self.base_url else "")
+        """The spec as printed and logged: credentials in the URL (``user:key@``, ``?api_key=``) redacted."""
+        from closedloop.store.redact import redact_spec
+
+        return redact_spec(f"{self.backend}:{self.model}" + (f"@{self.base_url}" if self.base_url else "")) or ""
 
 
 BACKENDS = ("openai", "hf", "vllm")

@@ -58,7 +58,7 @@ from closedloop.store.codec import decode_turn_arrays, turn_arrays_to_lists
 from closedloop.store.process import hostname, pid_alive, process_start
 from closedloop.store.records import (TERMINAL_STATUSES, RunRecord, RunSummary, ToolCallRecord, reward_dict,
                                       trajectory_metadata, utcnow)
-from closedloop.store.redact import _env_secrets, might_hold_secret, redact, redact_text
+from closedloop.store.redact import _env_secrets, might_hold_secret, redact, redact_spec, redact_text
 from closedloop.store.schema import TABLES, TURN_COLUMNS, migrate
 from closedloop.store.writer import BackgroundWriter
 from closedloop.tool import ToolResult
@@ -233,7 +233,8 @@ class RunStore:
         meta = redact(_jsonable(metadata) or {}, env_secrets=secrets)
         if not isinstance(cfg, dict) or not isinstance(meta, dict):
             raise TypeError("config and metadata must be mappings (dict, pydantic model or dataclass)")
-        self._tx(lambda con: self._insert_run(con, run_id, kind, graph, model_spec, cfg, tags, meta, parent_id))
+        spec = redact_spec(model_spec)  # ``openai:m@http://user:key@host`` never reaches the file
+        self._tx(lambda con: self._insert_run(con, run_id, kind, graph, spec, cfg, tags, meta, parent_id))
         return run_id
 
     @staticmethod
@@ -585,7 +586,7 @@ class RunStore:
                 c_tok += t.completion_tokens
                 if c is not None:
                     cost = (cost or 0.0) + c
-            rows.add("runs", (run_id, defaults.kind, defaults.graph, defaults.model_spec, cfg, defaults.status,
+            rows.add("runs", (run_id, defaults.kind, defaults.graph, redact_spec(defaults.model_spec), cfg, defaults.status,
                               pid, host, proc, defaults.parent_id, version, spec.started_at or now, now, now, out,
                               _format_error(spec.error), p_tok, c_tok, cost, tags, meta))
 
@@ -678,7 +679,7 @@ class RunStore:
             raise ValueError(f"status must be one of {('running',) + TERMINAL_STATUSES}, got {status!r}")
         where, params = [], []
         for column, value in (("status", status), ("graph", graph), ("kind", kind), ("parent_id", parent_id),
-                              ("model_spec", model_spec)):
+                              ("model_spec", redact_spec(model_spec))):
             if value is not None:
                 where.append(f"{column} = ?")
                 params.append(value)

@@ -68,9 +68,14 @@ def _simulation_dict(sim: SimulationRun) -> dict[str, Any]:
 
 
 def results_dict(simulations: list[SimulationRun], tasks: list[Task], info: RunInfo) -> dict[str, Any]:
-    return {"timestamp": datetime.now(timezone.utc).isoformat(), "info": info.model_dump(mode="json"),
+    from closedloop.store.redact import redact
+
+    # Model specs in ``info`` (``openai:m@http://user:key@host``) and keys echoed in messages or
+    # errors never reach the exported file; simulations get the content rules (field names kept).
+    return {"timestamp": datetime.now(timezone.utc).isoformat(), "info": redact(info.model_dump(mode="json")),
             "tasks": [t.model_dump(mode="json") for t in tasks],
-            "simulations": [_simulation_dict(s) for s in simulations]}
+            "simulations": redact([_simulation_dict(s) for s in simulations], keys=False, key_values=False,
+                                  hex_keys=False)}
 
 
 def write_results(path: str | Path, simulations: list[SimulationRun], tasks: list[Task], info: RunInfo) -> Path:
