@@ -113,6 +113,7 @@ def to_closedloop(message: Any) -> _Message:
             return parse_messages([{k: v for k, v in message.items() if k != "id"}])[0]
         message = convert_to_messages([message])[0]
     elif not isinstance(message, BaseMessage):
+        form_of(message)  # a clear TypeError for what is no message at all
         message = convert_to_messages([message])[0]
     role = role_of(message)
     content = _content_to_ours(message.content)

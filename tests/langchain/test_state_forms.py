@@ -1,0 +1,180 @@
+"""Graph state in three forms (ours, LangChain's, OpenAI dicts), LangGraph's prebuilt parts on our
+state, stream_mode="messages", approvals in LangChain's HITL shape, the serializer allowlist for a
+checkpointer we did not configure, and max_turns per invocation. Real compiled graphs; the model is
+scripted (control flow only)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, RemoveMessage
+from langchain_core.messages import ToolMessage as LCToolMessage
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.checkpoint.serde.event_hooks import register_serde_event_listener
+from langgraph.graph import START, StateGraph
+from langgraph.graph.message import REMOVE_ALL_MESSAGES
+from langgraph.prebuilt import ToolNode, tools_condition
+from langgraph.types import Command
+
+from closedloop.graphs.react import build_react_graph
+from closedloop.langchain_tools import to_langchain_tool
+from closedloop.messages import AssistantMessage, ToolCall, ToolMessage, Turn, UserMessage
+from closedloop.models.scripted import ScriptedClient
+from closedloop.plugins import tool_registry
+from closedloop.runtime import AgentState, make_model_node
+from closedloop.runtime.convert import merge_messages, role_of, to_closedloop, to_langchain, turn_of
+
+
+def _script(*args):
+    return [AssistantMessage(tool_calls=[ToolCall.make("add", a)]) for a in args] + [AssistantMessage(content="done")]
+
+
+def _valid_openai_conversation(messages) -> None:
+    """Every tool call is answered by a tool message before the next user/assistant message."""
+    open_calls: set[str] = set()
+    for m in (to_closedloop(x) for x in messages):
+        if m.role == "tool":
+            assert m.tool_call_id in open_calls, f"tool message for unknown call {m.tool_call_id}"
+            open_calls.discard(m.tool_call_id)
+            continue
+        assert not open_calls, f"calls {open_calls} left without a result before a {m.role} message"
+        if m.role == "assistant" and m.tool_calls:
+            open_calls = {c.id for c in m.tool_calls}
+    assert not open_calls
+
+
+@pytest.mark.parametrize("form", ["closedloop", "langchain", "openai"])
+async def test_state_reads_back_in_the_callers_form(form):
+    user = {"closedloop": UserMessage(content="3+4?"), "langchain": HumanMessage(content="3+4?"),
+            "openai": {"role": "user", "content": "3+4?"}}[form]
+    client = ScriptedClient(_script({"a": 3, "b": 4}))
+    out = await build_react_graph(client, tool_registry(["arithmetic"])).ainvoke({"messages": [user]})
+    msgs = out["messages"]
+    assert [role_of(m) for m in msgs] == ["user", "assistant", "tool", "assistant"]
+    kind = {"closedloop": (UserMessage, AssistantMessage, ToolMessage, AssistantMessage),
+            "langchain": (HumanMessage, AIMessage, LCToolMessage, AIMessage),
+            "openai": (dict, dict, dict, dict)}[form]
+    assert all(isinstance(m, k) for m, k in zip(msgs, kind))
+    assert to_closedloop(msgs[2]).content == "7.0"
+    # the model always saw our typed messages; the turns stay ours whatever the form
+    assert isinstance(client.calls[1][-1], ToolMessage) and all(isinstance(t, Turn) for t in out["turns"])
+    if form == "langchain":
+        assert turn_of(msgs[1]) == out["turns"][0]  # the AIMessage carries its turn
+    if form == "openai":
+        assert msgs[1]["tool_calls"][0]["function"] == {"name": "add", "arguments": json.dumps({"a": 3, "b": 4})}
+
+
+def test_reducer_is_add_messages_compatible():
+    left = merge_messages([], [{"type": "human", "content": "hi", "id": "1"}])  # Studio's shape
+    assert isinstance(left[0], HumanMessage)
+    left = merge_messages(left, [UserMessage(content="again")])
+    assert isinstance(left[1], HumanMessage) and left[1].id
+    replaced = merge_messages(left, [HumanMessage(content="edited", id="1")])
+    assert [m.content for m in replaced] == ["edited", "again"]
+    assert merge_messages(replaced, [RemoveMessage(id="1")])[0].content == "again"
+    ours = merge_messages([UserMessage(content="a")], {"role": "assistant", "content": "b"})
+    assert isinstance(ours[1], AssistantMessage)
+    assert merge_messages(ours, [RemoveMessage(id=REMOVE_ALL_MESSAGES), UserMessage(content="c")]) == [
+        UserMessage(content="c")]
+    with pytest.raises(ValueError, match="no message ids"):
+        merge_messages(ours, [RemoveMessage(id="x")])
+    with pytest.raises(TypeError, match="not a chat message"):
+        merge_messages(ours, [42])
+
+
+def test_conversion_keeps_malformed_arguments_and_tool_errors():
+    call = ToolCall.make("add", '{"a": 1')
+    ai = to_langchain(AssistantMessage(tool_calls=[call]))
+    assert ai.invalid_tool_calls[0]["args"] == '{"a": 1' and not ai.tool_calls
+    assert to_closedloop(ai).tool_calls[0].function.arguments == '{"a": 1'
+    err = to_langchain(ToolMessage(tool_call_id="c", content="Error: boom", error="boom"))
+    assert err.status == "error" and to_closedloop(err).error == "boom"
+
+
+async def test_prebuilt_tool_node_and_tools_condition_on_our_state():
+    """A LangGraph user's own graph: our model node, LangGraph's ToolNode and tools_condition."""
+    tools = tool_registry(["arithmetic"])
+    graph = StateGraph(AgentState)
+    graph.add_node("model", make_model_node(ScriptedClient(_script({"a": 2, "b": 5})), tools))
+    graph.add_node("tools", ToolNode([to_langchain_tool(t) for t in tools]))
+    graph.add_edge(START, "model")
+    graph.add_conditional_edges("model", tools_condition)
+    graph.add_edge("tools", "model")
+    out = await graph.compile().ainvoke({"messages": [{"type": "human", "content": "2+5?"}]})
+    assert isinstance(out["messages"][2], LCToolMessage) and out["messages"][2].content == "7.0"
+    assert out["messages"][-1].content == "done" and len(out["turns"]) == 2
+
+
+async def test_stream_mode_messages_yields_tokens_and_tool_messages():
+    client = ScriptedClient(_script({"a": 1, "b": 2}))
+    graph = build_react_graph(client, tool_registry(["arithmetic"]))
+    seen = []
+    async for message, meta in graph.astream({"messages": [HumanMessage(content="1+2")]}, stream_mode="messages"):
+        seen.append((type(message).__name__, meta["langgraph_node"], message.content))
+    assert ("AIMessageChunk", "model", "done") in seen
+    assert ("ToolMessage", "tools", "3.0") in seen
+    # our own form streams the model's tokens too
+    seen = [m async for m, _ in build_react_graph(ScriptedClient(_script()), None).astream(
+        {"messages": [UserMessage(content="hi")]}, stream_mode="messages")]
+    assert isinstance(seen[0], AIMessageChunk) and seen[0].content == "done"
+
+
+async def test_unconfigured_checkpointer_revives_our_types_without_warning():
+    events = []
+    unregister = register_serde_event_listener(events.append)
+    try:
+        saver = InMemorySaver()  # not configured by us
+        graph = build_react_graph(ScriptedClient(_script({"a": 1, "b": 1})), tool_registry(["arithmetic"]),
+                                  checkpointer=saver)
+        thread = {"configurable": {"thread_id": "t"}}
+        await graph.ainvoke({"messages": [UserMessage(content="1+1")]}, thread)
+        state = await graph.aget_state(thread)
+    finally:
+        unregister()
+    assert isinstance(state.values["messages"][1], AssistantMessage)
+    assert isinstance(state.values["turns"][0], Turn) and state.values["tool_records"][0].name == "add"
+    assert not [e for e in events if e.get("kind") == "msgpack_unregistered_allowed"], events
+
+
+async def test_approval_in_langchain_hitl_shape_approve_edit_reject():
+    calls = [ToolCall.make("add", {"a": 1, "b": 1}), ToolCall.make("add", {"a": 2, "b": 2}),
+             ToolCall.make("multiply", {"a": 3, "b": 3})]
+    client = ScriptedClient([AssistantMessage(tool_calls=calls), AssistantMessage(content="ok")])
+    graph = build_react_graph(client, tool_registry(["arithmetic"]), approve=True, checkpointer=InMemorySaver())
+    thread = {"configurable": {"thread_id": "hitl"}}
+    first = await graph.ainvoke({"messages": [HumanMessage(content="go")]}, thread)
+    request = first["__interrupt__"][0].value
+    assert [a["name"] for a in request["action_requests"]] == ["add", "add", "multiply"]
+    assert request["action_requests"][1]["args"] == {"a": 2, "b": 2}
+    assert {c["action_name"] for c in request["review_configs"]} == {"add", "multiply"}
+    assert request["review_configs"][0]["allowed_decisions"] == ["approve", "edit", "reject"]
+    done = await graph.ainvoke(Command(resume={"decisions": [
+        {"type": "approve"},
+        {"type": "edit", "edited_action": {"name": "add", "args": {"a": 20, "b": 2}}},
+        {"type": "reject", "message": "not that one"}]}), thread)
+    records = done["tool_records"]
+    assert records[0].content == "2.0"
+    assert records[1].arguments == json.dumps({"a": 20, "b": 2}) and records[1].content.endswith("22.0")
+    assert records[2].error_kind == "rejected" and "not that one" in records[2].content
+    assert done["messages"][-1].content == "ok"
+    _valid_openai_conversation(done["messages"])
+    with pytest.raises(ValueError, match="one decision per pending tool call"):
+        from closedloop.runtime.nodes import parse_decisions
+
+        parse_decisions({"decisions": [{"type": "approve"}]}, calls)
+
+
+async def test_max_turns_is_per_invocation_and_a_thread_goes_on():
+    """A model that always calls a tool, max_turns=2, four invocations: 8 model calls in one thread,
+    every tool call answered, every request the model saw valid."""
+    client = ScriptedClient([AssistantMessage(tool_calls=[ToolCall.make("add", {"a": 1, "b": 1})])], cycle=True)
+    graph = build_react_graph(client, tool_registry(["arithmetic"]), max_turns=2, checkpointer=InMemorySaver())
+    thread = {"configurable": {"thread_id": "long"}}
+    for i in range(4):
+        out = await graph.ainvoke({"messages": [{"role": "user", "content": f"again {i}"}]}, thread)
+        assert len(client.calls) == 2 * (i + 1)  # two model calls per invocation, not a thread total
+    assert len(out["turns"]) == 8
+    _valid_openai_conversation(out["messages"])
+    for request in client.calls:
+        _valid_openai_conversation([m for m in request if m.role != "system"])
