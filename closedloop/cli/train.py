@@ -22,10 +22,10 @@ _NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="fine-tune a model with a closedloop trainer (sft, grpo)",
+    p = sub.add_parser("train", help="fine-tune a model with a closedloop trainer (sft, grpo, dpo, cpref, ...)",
                        description="Train with closedloop.trainers.<trainer>; e.g. "
                                    "`closedloop train sft --config sft.yaml --set max_steps=100`.")
-    p.add_argument("trainer", help="trainer name, e.g. sft or grpo")
+    p.add_argument("trainer", help="trainer name, e.g. sft, grpo, dpo or cpref")
     p.add_argument("--config", "-c", default=None, help="YAML config file (keys of the trainer's config)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (dotted for nested: lora.r=8; values parsed as YAML); repeatable")
