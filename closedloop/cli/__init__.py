@@ -34,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a store another process holds: one line naming it, no traceback
+        from closedloop.store import StoreBusyError
+
+        busy = StoreBusyError.within(e)
+        if busy is None:
+            raise
+        print(f"error: {busy}", file=sys.stderr)
+        return 75  # EX_TEMPFAIL: the same command can be run again later
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import random
+import re
 import threading
 import time
 import traceback
@@ -81,7 +82,70 @@ class RunStateError(RuntimeError):
 
 
 class StoreBusyError(RuntimeError):
-    """Another process held the store's lock for longer than ``lock_timeout_s``."""
+    """Another process held the store's lock for longer than ``lock_timeout_s``.
+
+    ``pid`` and ``command`` name the holder when DuckDB reports it (and ``/proc`` shows its command
+    line); the message is one line, meant to be printed as is (the CLI does, without a traceback).
+    """
+
+    def __init__(self, message: str, *, pid: int | None = None, command: str | None = None,
+                 waited_s: float | None = None) -> None:
+        super().__init__(message)
+        self.pid, self.command, self.waited_s = pid, command, waited_s
+
+    @classmethod
+    def locked(cls, path: Any, waited_s: float, duckdb_message: str) -> "StoreBusyError":
+        m = _LOCK_PID.search(duckdb_message)
+        pid = int(m.group(1)) if m else None
+        command = _command_line(pid) if pid is not None else None
+        who = f"pid {pid}" + (f" ({command})" if command else "") if pid is not None else "another process"
+        return cls(f"run store {path} is held by {who} and stayed locked for {waited_s:g} s; wait for it to "
+                   f"finish, or wait longer with {LOCK_TIMEOUT_ENV}=<seconds>", pid=pid, command=command,
+                   waited_s=waited_s)
+
+    @staticmethod
+    def within(error: BaseException | None) -> "StoreBusyError | None":
+        """The StoreBusyError behind ``error`` (itself, a cause or context, or one in an exception group)."""
+        seen: set[int] = set()
+        stack = [error]
+        while stack:
+            e = stack.pop()
+            if e is None or id(e) in seen:
+                continue
+            seen.add(id(e))
+            if isinstance(e, StoreBusyError):
+                return e
+            stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+        return None
+
+
+LOCK_TIMEOUT_ENV = "CLOSEDLOOP_STORE_LOCK_TIMEOUT"
+_DEFAULT_LOCK_TIMEOUT_S = 15.0
+_LOCK_PID = re.compile(r"\(PID (\d+)\)")
+
+
+def _command_line(pid: int, limit: int = 200) -> str | None:
+    """The holder's command line from ``/proc`` (Linux), shortened; None where it cannot be read."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    text = " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
+    text = redact_text(" ".join(text.split()))  # one line, and no key typed on its command line
+    return (text[:limit] + "...") if len(text) > limit else (text or None)
+
+
+def _lock_timeout_from_env() -> float:
+    raw = os.environ.get(LOCK_TIMEOUT_ENV)
+    if raw is None or raw.strip() == "":
+        return _DEFAULT_LOCK_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{LOCK_TIMEOUT_ENV}={raw!r}: give the seconds to wait for a locked run store (a number >= 0)")
+    return value
 
 
 def _jsonable(value: Any) -> Any:
@@ -135,10 +199,12 @@ class RunStore:
     long a queued write (:meth:`log_step`) waits before its batch is committed.
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, lock_timeout_s: float = 15.0,
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, lock_timeout_s: float | None = None,
                  price_fn: pricing.PriceFn | None = None, detect_killed: bool = True,
                  flush_interval_s: float = 0.1) -> None:
-        if lock_timeout_s < 0:
+        if lock_timeout_s is None:  # $CLOSEDLOOP_STORE_LOCK_TIMEOUT, else 15 s
+            lock_timeout_s = _lock_timeout_from_env()
+        if not lock_timeout_s >= 0:
             raise ValueError("lock_timeout_s must be >= 0")
         if not (flush_interval_s >= 0 and math.isfinite(flush_interval_s)):
             raise ValueError("flush_interval_s must be a finite number >= 0")
@@ -179,7 +245,7 @@ class RunStore:
                     if "lock" not in str(e).lower():
                         raise
                     if time.monotonic() >= deadline:
-                        raise StoreBusyError(f"run store {self.path} stayed locked for {self.lock_timeout_s:g} s: {e}") from e
+                        raise StoreBusyError.locked(self.path, self.lock_timeout_s, str(e)) from None
                     time.sleep(delay * (0.5 + random.random()))
                     delay = min(delay * 2, 0.2)
         try:
@@ -215,7 +281,9 @@ class RunStore:
                 if "conflict" not in str(e).lower():
                     raise
                 if time.monotonic() >= deadline:
-                    raise StoreBusyError(f"run store {self.path}: transaction kept conflicting: {e}") from e
+                    raise StoreBusyError(f"run store {self.path}: a write kept conflicting with another thread's "
+                                         f"for {self.lock_timeout_s:g} s ({LOCK_TIMEOUT_ENV} waits longer)",
+                                         waited_s=self.lock_timeout_s) from None
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 0.2)
 
