@@ -153,8 +153,8 @@ def build_egg_graph(client: ModelClient, tools: ToolRegistry | None = None, *, b
         outcome = await evaluate(log, await generate(log, system, [UserMessage(content=task)], role, config),
                                  stage, role)
         for _ in range(debug_rounds):
-            if outcome.result.correct or outcome.result.status == "tool_error":
-                break  # correct, or the evaluator's own failure: nothing for the debug agent to fix
+            if outcome.result.correct or not outcome.result.fixable:
+                break  # correct, or the evaluator's/problem's own failure: nothing for the debug agent to fix
             code = outcome.code or "# (no code could be extracted from the reply)"
             task = prompts.debug_task(problem, code, outcome.result, goal)
             outcome = await evaluate(log, await generate(log, debug_sys, [UserMessage(content=task)], "debug",

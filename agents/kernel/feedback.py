@@ -18,12 +18,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["STATUSES", "EvalResult", "parse_eval_result", "feedback_json", "better"]
+__all__ = ["STATUSES", "UNFIXABLE", "EvalResult", "parse_eval_result", "feedback_json", "better"]
 
 STATUSES = ("compile_error", "load_error", "policy_violation", "runtime_error", "shape_mismatch", "dtype_mismatch",
             "incorrect", "timeout", "correct", "suspicious")
 #: Statuses the agents add: no code could be extracted; the tool itself failed (not the candidate's fault).
 AGENT_STATUSES = ("no_code", "tool_error")
+#: Failures no change to the candidate can fix (the evaluator's or the problem's own): nothing to debug.
+UNFIXABLE = ("tool_error", "reference_error")
 
 
 class EvalResult(BaseModel):
@@ -38,6 +40,11 @@ class EvalResult(BaseModel):
     @property
     def correct(self) -> bool:
         return self.status == "correct"
+
+    @property
+    def fixable(self) -> bool:
+        """Whether a different candidate could change this verdict (not an evaluator/problem failure)."""
+        return self.status not in UNFIXABLE
 
     def summary(self) -> dict[str, Any]:
         """status and speedup only: what may cross a stage boundary (no logs, no diffs)."""
