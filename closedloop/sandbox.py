@@ -8,8 +8,9 @@ What the child gets (each item reported in ``SandboxResult.enforced`` when the O
 
 - a fresh interpreter (``subprocess`` spawn, never fork), ``python -I``, in its own session and
   process group, with a fresh temporary working directory that is removed afterwards;
-- rlimits: address space, CPU time, open files, file size, and processes (only inside its own
-  user namespace, where the count is the sandbox's own);
+- rlimits: address space, CPU time, open files, file size, and processes (RLIMIT_NPROC inside its
+  own user namespace, where the count is the sandbox's own; a ``pids`` cgroup where one is
+  writable, which also holds for root, whom RLIMIT_NPROC exempts);
 - a wall-clock timeout that kills the whole process group (and the PID namespace when there is
   one, so a child that calls ``setsid`` dies too);
 - a scrubbed environment: PATH, HOME and TMPDIR pointing at the working directory, one thread
@@ -101,6 +102,65 @@ def _unshare_works() -> bool:
     return probe.returncode == 0
 
 
+@functools.lru_cache(maxsize=1)
+def _pids_cgroup_root() -> Path | None:
+    """A writable cgroup (v1 ``pids`` hierarchy, or v2 with the pids controller) to cap the
+    sandbox's process count when RLIMIT_NPROC cannot (real root is exempt from it)."""
+    candidates = [Path("/sys/fs/cgroup/pids")]
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                v2 = Path("/sys/fs/cgroup") / line[3:].lstrip("/")
+                if "pids" in (v2 / "cgroup.subtree_control").read_text():
+                    candidates.append(v2)
+    except OSError:
+        pass
+    for root in candidates:
+        probe = root / f"closedloop-probe-{os.getpid()}"
+        try:
+            probe.mkdir()
+            ok = (probe / "pids.max").exists()
+            probe.rmdir()
+        except OSError:
+            continue
+        if ok:
+            return root
+    return None
+
+
+def _make_cgroup(processes: int) -> Path | None:
+    root = _pids_cgroup_root()
+    if root is None:
+        return None
+    path = root / f"closedloop-sandbox-{os.getpid()}-{os.urandom(6).hex()}"
+    try:
+        path.mkdir()
+        (path / "pids.max").write_text(str(processes))
+    except OSError:
+        try:
+            path.rmdir()
+        except OSError:
+            pass
+        return None
+    return path
+
+
+def _remove_cgroup(path: Path | None) -> None:
+    if path is None:
+        return
+    for _ in range(50):
+        try:
+            path.rmdir()
+            return
+        except OSError:
+            try:
+                for pid in (path / "cgroup.procs").read_text().split():
+                    os.kill(int(pid), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.02)
+
+
 def isolation_available() -> dict[str, bool]:
     """Whether network and PID namespaces can be created here (they are used when they can)."""
     ok = _unshare_works()
@@ -146,6 +206,10 @@ class _Prepared:
             # interpreter must not be it); when it exits, every process in the namespace dies.
             cmd = [shutil.which("unshare") or "unshare", "-rn", "--pid", "--fork", "--kill-child",
                    "/bin/sh", "-c", '"$@"; exit $?', "sandbox"] + cmd
+        self.cgroup = _make_cgroup(limits.processes) if limits.processes else None
+        if self.cgroup is not None:
+            # join the cgroup before anything else runs (the shell writes its own PID, then execs)
+            cmd = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(self.cgroup)] + cmd
         self.cmd = cmd
 
     def _env(self) -> dict[str, str]:
@@ -195,6 +259,8 @@ class _Prepared:
         enforced["network"] = (not self.limits.network) and self.use_ns
         enforced["pid_namespace"] = self.use_ns
         enforced["wall_clock"] = True
+        if self.cgroup is not None:
+            enforced["processes"] = True
         notes: list[str] = []
         if not self.limits.network and not self.use_ns:
             notes.append("network not isolated: user namespaces (unshare -rn) are unavailable here"
@@ -254,9 +320,8 @@ class _Prepared:
         return SandboxResult(status=kind, error_type=kind, error_message=message, traceback_tail=tail or None, **common)
 
     def cleanup(self) -> None:
+        _remove_cgroup(self.cgroup)
         shutil.rmtree(self.root, ignore_errors=True)
-        if not self.own_cwd:
-            return
 
 
 def run_sandboxed(target: str, /, *args: Any, limits: SandboxLimits | None = None,
