@@ -57,6 +57,9 @@ class PreferenceConfig(TrainConfig):
     max_length: int | None = Field(1024, ge=2, description="Truncate prompt+completion to this many tokens, keeping "
                                                            "the start (TRL DPOConfig default 1024).")
     shuffle: bool = Field(True, description="Shuffle pairs each epoch (seeded by seed + epoch).")
+    disable_dropout: bool = Field(True, description="Set every torch Dropout to p=0 in the policy and reference "
+                                                    "(TRL DPOConfig default), so both score a pair the same way "
+                                                    "at the start.")
     save_steps: int | None = Field(None, ge=1, description="Checkpoint every this many steps (null: at the end).")
 
     @field_validator("dataset", mode="before")
@@ -122,15 +125,25 @@ def pair_logps(model: Any, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.
     """Summed completion log-probs ``[2B]`` and completion lengths ``[2B]`` under ``model``.
 
     Log-probs come from ``cross_entropy`` on the completion positions only (the same numbers as
-    :func:`~closedloop.trainers.losses.token_logprobs`, without a log-softmax over prompt positions).
+    :func:`~closedloop.trainers.losses.token_logprobs`). On a left-padded batch every completion
+    ends at the last column, so the LM head runs only on the last ``K + 1`` positions
+    (``logits_to_keep``, K = the longest completion in the batch) instead of every prompt token.
     """
     import torch.nn.functional as F
 
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    kwargs: dict[str, Any] = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                              "use_cache": False}
     mask = batch.completion_mask[:, 1:].bool()
     labels = batch.input_ids[:, 1:].masked_fill(~mask, -100)
-    nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), reduction="none",
-                          ignore_index=-100)
+    if batch.position_ids is not None:  # left-padded: completions occupy the last columns
+        cols = mask.any(0).nonzero()
+        keep = int(mask.size(1) - cols[0]) if cols.numel() else 1
+        kwargs.update(position_ids=batch.position_ids, logits_to_keep=keep + 1)
+        logits = model(**kwargs).logits[:, :-1]
+        labels = labels[:, labels.size(1) - keep:] if keep else labels[:, :0]
+    else:
+        logits = model(**kwargs).logits[:, :-1]
+    nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none", ignore_index=-100)
     logps = -nll.view(labels.shape).sum(-1)
     return logps, mask.sum(-1).to(logps.dtype)
 
@@ -144,7 +157,7 @@ def policy_margins(model: Any, pairs: list[PreferenceExample], pad_id: int, *, l
     model.eval()
     with torch.no_grad():
         for i in range(0, len(pairs), batch_size):
-            batch = collate_pairs(pairs[i:i + batch_size], pad_id, max_length).to(device)
+            batch = collate_pairs(pairs[i:i + batch_size], pad_id, max_length, padding_side="left").to(device)
             logps, lengths = pair_logps(model, batch)
             if length_normalize:
                 logps = logps / lengths.clamp(min=1)
@@ -174,6 +187,12 @@ def _reference(config: PreferenceConfig, policy: Any, resumed: bool, device: Any
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref, nullcontext
+
+
+def _disable_dropout(model: Any) -> None:
+    for module in model.modules():  # TRL's disable_dropout_in_model
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0
 
 
 def _ref_logps(ref: Any, policy: Any, ctx: Callable[[], Any], batch: PreferenceBatch) -> torch.Tensor:
@@ -208,6 +227,8 @@ def train_preference(config: PreferenceConfig, rows: Iterable[dict[str, Any]] | 
     if accel.num_processes != world:
         raise RuntimeError(f"WORLD_SIZE={world} but accelerate runs {accel.num_processes} processes")
     unwrapped = accel.unwrap_model(policy)
+    if config.disable_dropout:
+        _disable_dropout(unwrapped)
     device = accel.device
     pad_id = pad_token_id(session.tokenizer)
     rank, per_dev, accum = accel.process_index, config.per_device_batch_size, config.gradient_accumulation_steps
@@ -221,7 +242,8 @@ def train_preference(config: PreferenceConfig, rows: Iterable[dict[str, Any]] | 
     if not have_refs and config.precompute_ref_log_probs:
         for i in range(0, len(pairs), per_dev):
             chunk = pairs[i:i + per_dev]
-            lp = _ref_logps(ref, policy, ref_ctx, collate_pairs(chunk, pad_id, config.max_length).to(device))
+            lp = _ref_logps(ref, policy, ref_ctx, collate_pairs(chunk, pad_id, config.max_length,
+                                                               padding_side="left").to(device))
             for p, c, r in zip(chunk, *lp.float().cpu().chunk(2)):
                 p.ref_chosen_logps, p.ref_rejected_logps = float(c), float(r)
         ref, ref_ctx, have_refs = None, nullcontext, True
@@ -240,7 +262,8 @@ def train_preference(config: PreferenceConfig, rows: Iterable[dict[str, Any]] | 
                 n_tokens = 0
                 for a in range(accum):
                     mine = idx[(a * world + rank) * per_dev:(a * world + rank + 1) * per_dev]
-                    batch = collate_pairs([pairs[i] for i in mine], pad_id, config.max_length).to(device)
+                    batch = collate_pairs([pairs[i] for i in mine], pad_id, config.max_length,
+                                          padding_side="left").to(device)
                     n_tokens += batch.n_tokens
                     sync = a == accum - 1
                     with (accel.no_sync(policy) if not sync and world > 1 else nullcontext()), accel.autocast():

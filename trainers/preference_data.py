@@ -179,7 +179,8 @@ def encode_preference_rows(rows: Iterable[dict[str, Any]], tokenizer: Any, *, so
 @dataclass
 class PreferenceBatch:
     """``input_ids``/``attention_mask``/``completion_mask`` are ``[2B, T]``: chosen rows, then rejected
-    rows (TRL's layout: one forward pass for both). ``ref_logps`` ``[2B]`` when precomputed."""
+    rows (TRL's layout: one forward pass for both). ``ref_logps`` ``[2B]`` when precomputed.
+    ``position_ids`` is set for left-padded batches (positions count real tokens only)."""
 
     input_ids: Any
     attention_mask: Any
@@ -187,21 +188,31 @@ class PreferenceBatch:
     ref_logps: Any = None
     n_pairs: int = 0
     n_tokens: int = 0
+    position_ids: Any = None
 
     def to(self, device: Any) -> "PreferenceBatch":
+        move = (lambda t: None if t is None else t.to(device))
         return PreferenceBatch(self.input_ids.to(device), self.attention_mask.to(device),
-                               self.completion_mask.to(device),
-                               None if self.ref_logps is None else self.ref_logps.to(device), self.n_pairs,
-                               self.n_tokens)
+                               self.completion_mask.to(device), move(self.ref_logps), self.n_pairs, self.n_tokens,
+                               move(self.position_ids))
 
 
-def collate_pairs(examples: Sequence[PreferenceExample], pad_id: int, max_length: int | None = None) -> PreferenceBatch:
+def collate_pairs(examples: Sequence[PreferenceExample], pad_id: int, max_length: int | None = None, *,
+                  padding_side: Literal["right", "left"] = "right") -> PreferenceBatch:
     """TRL's ``DataCollatorForPreference``: prompt+chosen and prompt+rejected rows, truncated to
-    ``max_length`` keeping the start, right-padded; ``completion_mask`` marks completion tokens."""
+    ``max_length`` keeping the start, padded; ``completion_mask`` marks completion tokens.
+
+    ``padding_side="left"`` (what the trainer uses) ends every row at the last column, so all
+    completions lie in the last columns and the LM head need only run there; ``position_ids``
+    then restart at 0 on each row's first real token, so the model computes exactly what it
+    computes on the right-padded batch (tested against TRL's right-padded forward).
+    """
     import torch
 
     if not examples:
         raise ValueError("collate_pairs: empty batch")
+    if padding_side not in ("right", "left"):
+        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
     seqs, masks = [], []
     for side in ("chosen_ids", "rejected_ids"):
         for e in examples:
@@ -217,11 +228,14 @@ def collate_pairs(examples: Sequence[PreferenceExample], pad_id: int, max_length
     attn = torch.zeros((n, width), dtype=torch.long)
     comp = torch.zeros((n, width), dtype=torch.long)
     for i, (s, m) in enumerate(zip(seqs, masks)):
-        input_ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        attn[i, :len(s)] = 1
-        comp[i, :len(m)] = torch.tensor(m, dtype=torch.long)
+        sl = slice(width - len(s), width) if padding_side == "left" else slice(0, len(s))
+        input_ids[i, sl] = torch.tensor(s, dtype=torch.long)
+        attn[i, sl] = 1
+        comp[i, sl] = torch.tensor(m, dtype=torch.long)
     ref = None
     if all(e.ref_chosen_logps is not None for e in examples):
         ref = torch.tensor([e.ref_chosen_logps for e in examples] + [e.ref_rejected_logps for e in examples],
                            dtype=torch.float32)
-    return PreferenceBatch(input_ids, attn, comp, ref, n_pairs=len(examples), n_tokens=int(attn.sum()))
+    pos = (attn.cumsum(-1) - 1).clamp(min=0) if padding_side == "left" else None
+    return PreferenceBatch(input_ids, attn, comp, ref, n_pairs=len(examples), n_tokens=int(attn.sum()),
+                           position_ids=pos)

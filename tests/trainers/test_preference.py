@@ -99,24 +99,31 @@ def test_sigmoid_length_normalize_equals_trl_sigmoid_norm():
 
 
 def test_pair_logps_equal_trl_fused_lm_head_on_a_model(tiny_model_path, tokenizer):
-    """The shift and the completion mask are right: same summed log-probs as TRL's fused head."""
+    """The shift, the completion mask and the left-padded, last-columns-only LM head are right: the
+    same summed log-probs as TRL's fused head on its right-padded batch."""
     from transformers import AutoModelForCausalLM
 
     from closedloop.trainers.dpo import pair_logps
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
-    rows = [{"prompt": [{"role": "user", "content": "colour?"}], "chosen": [{"role": "assistant", "content": "blue"}],
-             "rejected": [{"role": "assistant", "content": "a red one"}]},
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "colour?"}],
+             "chosen": [{"role": "assistant", "content": "blue"}],
+             "rejected": [{"role": "assistant", "content": "a red one, I think"}]},
             {"prompt": "Hi there", "chosen": " friend", "rejected": " you"}]
-    batch = collate_pairs(encode_preference_rows(rows, tokenizer), tokenizer.pad_token_id)
+    pairs = encode_preference_rows(rows, tokenizer)
+    right = collate_pairs(pairs, tokenizer.pad_token_id)
+    left = collate_pairs(pairs, tokenizer.pad_token_id, padding_side="left")
+    assert left.position_ids is not None and bool((left.input_ids[:, -1] != tokenizer.pad_token_id).all())
     with torch.no_grad():
-        ours, lengths = pair_logps(model, batch)
+        ours_right, lengths = pair_logps(model, right)
+        ours_left, lengths_left = pair_logps(model, left)
         trl_utils.add_fused_lm_head(model, outputs=("log_probs",))
-        labels = batch.input_ids.masked_fill(batch.completion_mask == 0, -100)
-        theirs = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels,
+        labels = right.input_ids.masked_fill(right.completion_mask == 0, -100)
+        theirs = model(input_ids=right.input_ids, attention_mask=right.attention_mask, labels=labels,
                        fused_lm_head=True).log_probs.sum(1)
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    assert lengths.tolist() == batch.completion_mask[:, 1:].sum(1).float().tolist()
+    torch.testing.assert_close(ours_right, theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours_left, theirs, rtol=1e-5, atol=1e-5)
+    assert lengths.tolist() == lengths_left.tolist() == right.completion_mask[:, 1:].sum(1).float().tolist()
 
 
 def test_tokenisation_equals_trl_prepare_dataset(tokenizer):
