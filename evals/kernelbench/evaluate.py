@@ -234,7 +234,7 @@ class KernelEvaluator:
                                 "kept out of fast_p until reviewed")
             return
         where = "while compiling/loading" if phase == "compile" else "while running"
-        if sb.status == "timeout":
+        if sb.status == "timeout" or (sb.status == "killed" and "CPU time" in (sb.error_message or "")):
             res.status, res.message = "timeout", f"timed out {where}: {sb.error_message}"
         else:
             res.status = "load_error" if phase == "compile" else "runtime_error"

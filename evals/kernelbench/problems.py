@@ -86,7 +86,10 @@ def problems_from_rows(rows: Iterable[dict[str, Any]]) -> list[Problem]:
         missing = {"code", "level", "name", "problem_id"} - set(row)
         if missing:
             raise ValueError(f"dataset row lacks {sorted(missing)}")
-        name = row["name"] if str(row["name"]).endswith(".py") else f"{row['problem_id']}_{row['name']}.py"
+        name = str(row["name"])
+        if not name.startswith(f"{row['problem_id']}_"):
+            name = f"{row['problem_id']}_{name}"
+        name = name if name.endswith(".py") else name + ".py"
         out.append(Problem(level=int(row["level"]), problem_id=int(row["problem_id"]), name=name, code=row["code"]))
     return out
 
