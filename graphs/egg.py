@@ -164,11 +164,11 @@ def build_egg_graph(client: ModelClient, tools: ToolRegistry | None = None, *, b
     # ---------------------------------------------------------------- stage A
 
     def prepare(state: EggState) -> dict[str, Any]:
-        problem = problem_from_state(state)
+        problem, in_message = problem_from_state(state)
         messages = as_closedloop(state.get("messages", []))
         update: dict[str, Any] = {"problem": problem, "final_code": None, "best_result": None, "profile_reasks": 0,
                                   "handoff": {}, "stage_b": {}}
-        if not any(isinstance(m, UserMessage) for m in messages):
+        if not in_message:
             update["messages"] = [UserMessage(content=prompts.problem_block(problem))]
         update["scratch"] = {**(state.get("scratch") or {}),
                              "messages_seen": len(messages) + len(update.get("messages", []))}

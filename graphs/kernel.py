@@ -47,16 +47,17 @@ class KernelState(AgentState, total=False):
     attempts: Annotated[list[dict[str, Any]], operator.add]
 
 
-def problem_from_state(state: KernelState) -> str:
-    """The reference source: from the newest user message that arrived since the last problem
-    was taken (``scratch["messages_seen"]``), else ``state["problem"]`` (the input key)."""
+def problem_from_state(state: KernelState) -> tuple[str, bool]:
+    """The reference source and whether a message holds it: the newest user message that arrived
+    since the last problem was taken (``scratch["messages_seen"]``), else ``state["problem"]``
+    (the input key; the caller then shows it to the model in a message of its own)."""
     messages = as_closedloop(state.get("messages", []))
     seen = int((state.get("scratch") or {}).get("messages_seen", 0))
     users = [m for m in messages[seen:] if isinstance(m, UserMessage)]
     if users and (not state.get("problem") or seen):
-        return extract_problem(users[-1].text)
+        return extract_problem(users[-1].text), True
     if state.get("problem"):
-        return state["problem"]
+        return state["problem"], False
     raise ValueError("the kernel graphs need a problem: pass {'problem': <reference source>} or a user message "
                      "containing it")
 
@@ -101,11 +102,11 @@ def build_kernel_graph(client: ModelClient, tools: ToolRegistry | None = None, *
     system = system_prompt if system_prompt is not None else prompts.single_system(backend)
 
     def prepare(state: KernelState) -> dict[str, Any]:
-        problem = problem_from_state(state)
+        problem, in_message = problem_from_state(state)
         # Rounds count from here: a thread that goes on with a new problem gets a fresh budget.
         messages = as_closedloop(state.get("messages", []))
         update: dict[str, Any] = {"problem": problem, "final_code": None, "best_result": None}
-        if not any(isinstance(m, UserMessage) for m in messages):
+        if not in_message:
             update["messages"] = [UserMessage(content=prompts.single_task(problem))]
         update["scratch"] = {**(state.get("scratch") or {}), "round_base": _policy_turns(state),
                              "messages_seen": len(messages) + len(update.get("messages", []))}

@@ -229,7 +229,7 @@ def debug_task(problem: str, code: str, result: EvalResult, goal: str) -> str:
 def tune_system(backend: str) -> str:
     return ("You are the code agent of a kernel-engineering team, in stage B (hardware tuning). You receive a "
             "correct kernel whose algorithm is decided. Tune only the aspect you are asked to tune, for the target "
-            f"hardware; never change what it computes beyond floating-point reassociation.\n\n"
+            "hardware; never change what it computes beyond floating-point reassociation.\n\n"
             + backend_guide(backend))
 
 

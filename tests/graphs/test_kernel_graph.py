@@ -124,3 +124,12 @@ async def test_a_langchain_thread_works_and_a_new_problem_gets_fresh_rounds():
     assert isinstance(out["messages"][2], HumanMessage) and '"status": "correct"' in out["messages"][2].content
     out = await graph.ainvoke({"messages": [HumanMessage(content=PROBLEM.replace("4096", "2048"))]}, thread)
     assert len(seen) == 4 and "2048" in out["problem"]  # two more rounds, not zero
+
+
+async def test_a_problem_key_next_to_an_instruction_is_shown_to_the_model():
+    tools, _ = fake_kernel_tools()
+    client = ScriptedClient([reply(kernel("k1"))])
+    graph = build_kernel_graph(client, tools, rounds=1)
+    await graph.ainvoke({"problem": PROBLEM, "messages": [UserMessage(content="Optimise for latency.")]})
+    assert [m.role for m in client.calls[0]] == ["system", "user", "user"]
+    assert "class Model(nn.Module)" in client.calls[0][2].content
