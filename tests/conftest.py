@@ -56,6 +56,14 @@ def tiny_model_path(request) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_path(tiny_model_path, tmp_path_factory) -> Path:
+    """A tiny LLaVA-architecture VLM whose language half is the tiny text model (built in seconds)."""
+    from closedloop.models.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"), tiny_model_path, seed=0)
+
+
+@pytest.fixture(scope="session")
 def scorer_model_path(request) -> Path:
     """The tiny architecture trained only on goal restatement: the frozen scorer of the
     information-gain tests. (Mixed with tool use, the 150k-parameter model learns restating
@@ -72,3 +80,17 @@ def tiny_client(tiny_model_path):
     from closedloop.models.hf import HFClient
 
     return HFClient.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tmp_dirs_inside_the_working_root(tmp_path_factory):
+    """Tests hand tools files under pytest's tmp_path; the working root (closedloop.paths) is
+    widened to it as a user would with CLOSEDLOOP_WORKING_ROOTS. Tests of the root itself unset it."""
+    previous = os.environ.get("CLOSEDLOOP_WORKING_ROOTS")
+    base = str(tmp_path_factory.getbasetemp())
+    os.environ["CLOSEDLOOP_WORKING_ROOTS"] = os.pathsep.join(p for p in (previous, base) if p)
+    yield
+    if previous is None:
+        os.environ.pop("CLOSEDLOOP_WORKING_ROOTS", None)
+    else:
+        os.environ["CLOSEDLOOP_WORKING_ROOTS"] = previous

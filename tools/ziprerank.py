@@ -26,8 +26,9 @@ Which models: any ``hf:`` causal LM for text candidates (tested with the tiny Qw
 closedloop/models/tiny.py), and a VLM with a processor for page images (the paper's setting): the
 same prompt with the images after the text, as the official code does (:func:`build_vlm_inputs`).
 The image path is tested with a tiny random Qwen2-VL built in the test, with a small stand-in for
-``Qwen2VLProcessor`` (its video half needs torchvision, not installed here); the ``hf:`` tools
-load text LMs only. QI-EI is a function on embeddings (tested on that VLM's patch embeddings),
+``Qwen2VLProcessor`` (its video half needs torchvision, which has no CPU build for the pinned
+torch), and end to end through ``from_spec("hf:DIR")`` and the tool with the tiny LLaVA of
+:mod:`closedloop.models.tiny_vlm` (a real processor, loaded as any VLM checkpoint is). QI-EI is a function on embeddings (tested on that VLM's patch embeddings),
 not spliced into a vision tower's forward as the official Qwen3-VL subclass does.
 """
 
@@ -124,18 +125,31 @@ class ListwiseReranker:
 
     @classmethod
     def from_spec(cls, spec: str, **kwargs) -> "ListwiseReranker":
-        """``hf:<dir>``: a local checkpoint (no hub access). Float32 on CPU."""
+        """``hf:<dir>``: a local checkpoint (no hub access), float32 on CPU. A vision-language
+        checkpoint (one with a processor, see :func:`closedloop.models.hf_vision.is_vision_checkpoint`)
+        loads with its processor and reranks page images; a causal LM reranks text."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from closedloop.models import parse_spec
+        from closedloop.models.hf_vision import is_vision_checkpoint
 
         s = parse_spec(spec)
         if s.backend != "hf":
             raise ValueError(f"need an hf:<path> model spec, got {spec!r}")
         if not Path(s.model).is_dir():
             raise FileNotFoundError(f"model directory not found: {s.model}")
+        if is_vision_checkpoint(s.model):
+            from transformers import AutoModelForImageTextToText, AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(s.model)
+            model = AutoModelForImageTextToText.from_pretrained(s.model, dtype=torch.float32).eval()
+            return cls(model, processor.tokenizer, processor=processor, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(s.model, dtype=torch.float32).eval()
         return cls(model, AutoTokenizer.from_pretrained(s.model), **kwargs)
+
+    @property
+    def reads_images(self) -> bool:
+        return self.processor is not None
 
     def text_inputs(self, query: str, passages: Sequence[str]) -> dict[str, torch.Tensor]:
         prompt = ranking_prompt(query, passages)
@@ -317,14 +331,20 @@ def load_ranking_set(path: str | Path) -> list[RankingExample]:
 
 
 def evaluate_ranking_set(reranker: ListwiseReranker, examples: Sequence[RankingExample],
-                         ks: Sequence[int] = (1, 3, 5)) -> dict[str, Any]:
-    """Macro recall@k and nDCG@k for the first-stage order and the reranked order, plus cost."""
+                         ks: Sequence[int] = (1, 3, 5), *, base_dir: str | Path | None = None) -> dict[str, Any]:
+    """Macro recall@k and nDCG@k for the first-stage order and the reranked order, plus cost.
+
+    With a VLM reranker the candidates are page image files (relative paths from ``base_dir``,
+    the ranking set's folder when the tool loads it)."""
     first = {f"recall@{k}": [] for k in ks} | {f"ndcg@{k}": [] for k in ks}
     rer = {key: [] for key in first}
     reranker.n_forwards = 0
     t0 = time.perf_counter()
     for ex in examples:
-        perm, _ = reranker.rerank(ex.query, ex.candidates)
+        cands: Sequence[Any] = ex.candidates
+        if reranker.reads_images:
+            cands = _load_pages([str(Path(base_dir or ".") / c) for c in ex.candidates])
+        perm, _ = reranker.rerank(ex.query, cands)
         for k in ks:
             for name, r in ((first, list(range(len(ex.candidates)))), (rer, perm)):
                 name[f"recall@{k}"].append(recall_at_k(r, ex.relevant, k))
@@ -348,20 +368,36 @@ class RerankReport(BaseModel):
 Window = Annotated[int, Field(ge=1, le=26)]
 
 
+def _load_pages(paths: Sequence[str]) -> list[Any]:
+    """Page images from files, RGB; a clear error naming the first one that cannot be read."""
+    from PIL import Image, UnidentifiedImageError
+
+    pages = []
+    for p in paths:
+        try:
+            with Image.open(p) as img:
+                pages.append(img.convert("RGB"))
+        except (FileNotFoundError, IsADirectoryError):
+            raise ArtifactError(f"page image not found: {p}") from None
+        except (UnidentifiedImageError, OSError) as e:
+            raise ArtifactError(f"page image {p} could not be read: {e}") from None
+    return pages
+
+
 @tool(timeout_s=600)
 def ziprerank_rerank(model: str, query: str, candidates: Annotated[list[str], Field(min_length=1)],
                      window: Window = 20, stride: Annotated[int, Field(ge=1)] = 10) -> RerankReport:
-    """Listwise rerank of text candidates with one forward per window (label first-token logits).
+    """Listwise rerank with one forward per window (label first-token logits).
 
     Args:
-        model: hf:<local checkpoint directory> of a causal LM.
+        model: hf:<local checkpoint directory>: a causal LM (text candidates) or a vision-language model with its processor (candidates are page image files).
         query: The search query.
-        candidates: Candidate passages in first-stage order.
+        candidates: Candidate passages in first-stage order (texts, or image file paths for a VLM).
         window: Candidates per forward pass (≤ 26, letters A–Z; the paper uses 20).
         stride: Step of the sliding window when there are more candidates than the window.
     """
     rr = ListwiseReranker.from_spec(model, window=window, stride=stride)
-    perm, scores = rr.rerank(query, candidates)
+    perm, scores = rr.rerank(query, _load_pages(candidates) if rr.reads_images else candidates)
     return RerankReport(permutation=perm, scores=scores, n_forwards=rr.n_forwards)
 
 
@@ -371,15 +407,15 @@ def ziprerank_evaluate(model: str, ranking_set: str, ks: list[Annotated[int, Fie
     """Recall@k and nDCG@k of the first-stage order and of the listwise rerank on a local ranking set.
 
     Args:
-        model: hf:<local checkpoint directory> of a causal LM.
-        ranking_set: JSONL file, one {"query", "candidates", "relevant"} per line.
+        model: hf:<local checkpoint directory> of a causal LM, or of a VLM with its processor.
+        ranking_set: JSONL file, one {"query", "candidates", "relevant"} per line (for a VLM, candidates are image files relative to it).
         ks: Cut-offs k.
         window: Candidates per forward pass (≤ 26).
         stride: Sliding-window step for longer lists.
     """
     examples = load_ranking_set(ranking_set)
     rr = ListwiseReranker.from_spec(model, window=window, stride=stride)
-    return evaluate_ranking_set(rr, examples, ks)
+    return evaluate_ranking_set(rr, examples, ks, base_dir=Path(ranking_set).expanduser().parent)
 
 
 class PruneReport(BaseModel):

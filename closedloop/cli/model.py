@@ -16,6 +16,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     tiny.add_argument("--steps", type=int, default=500, help="SFT warm-up steps (0: untrained weights)")
     tiny.add_argument("--quiet", action="store_true", help="no training progress lines")
     tiny.set_defaults(func=_tiny)
+    vlm = msub.add_parser("tiny-vlm", help="build a tiny vision-language model (LLaVA architecture) from a tiny "
+                                           "text model (seconds)")
+    vlm.add_argument("path", type=Path, help="directory to write the checkpoint into")
+    vlm.add_argument("--text-model", type=Path, required=True,
+                     help="the tiny text checkpoint (`closedloop model tiny`) whose weights become the language half")
+    vlm.add_argument("--seed", type=int, default=0)
+    vlm.set_defaults(func=_tiny_vlm)
+
+
+def _tiny_vlm(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from closedloop.models.tiny_vlm import TINY_VLM_FILE, build_tiny_vlm
+
+    console = Console()
+    if not (args.text_model / "config.json").is_file():
+        console.print(f"[red]--text-model {args.text_model} is not a checkpoint directory (no config.json)[/red]")
+        return 2
+    path = build_tiny_vlm(args.path, args.text_model, seed=args.seed)
+    record = json.loads((path / TINY_VLM_FILE).read_text())
+    console.print(f"tiny VLM saved to {path.resolve()}: {record['n_parameters']:,} parameters, "
+                  f"{record['image_tokens']} tokens per image; use it as hf:{path}")
+    return 0
 
 
 def _tiny(args: argparse.Namespace) -> int:

@@ -13,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from closedloop.models.base import (ContextLengthExceededError, GenerateRequest, ModelClient, ModelError,
-                                    ModelUnavailableError,
+                                    ModelUnavailableError, UnsupportedInputError,
                                     SamplingParams, StreamEvent, TextDelta, ToolChoice, TurnDone)
 
 __all__ = ["ModelClient", "SamplingParams", "ModelError", "ModelUnavailableError", "ContextLengthExceededError",
+           "UnsupportedInputError",
            "GenerateRequest",
            "StreamEvent", "TextDelta", "TurnDone", "ToolChoice", "ModelSpec", "parse_spec", "make_client"]
 
@@ -59,6 +60,10 @@ def make_client(spec: str | ModelSpec, **kwargs) -> ModelClient:
 
         return OpenAIClient(s.model, base_url=s.base_url, **kwargs)
     if s.backend == "hf":
+        from closedloop.models.hf_vision import HFVisionClient, is_vision_checkpoint
+
+        if is_vision_checkpoint(s.model):  # a VLM: prompts through its processor
+            return HFVisionClient.from_pretrained(s.model, **kwargs)
         from closedloop.models.hf import HFClient
 
         return HFClient.from_pretrained(s.model, **kwargs)

@@ -39,6 +39,12 @@ class ModelUnavailableError(ModelError):
     """The model server cannot be reached (dead, wrong address, still starting)."""
 
 
+class UnsupportedInputError(ModelError, ValueError):
+    """The request holds something this model cannot take (an image for a text-only model, an
+    undecodable or remote media part). A ``ValueError`` too: the caller's to fix (a server answers
+    400), never retried, never silently dropped."""
+
+
 class ContextLengthExceededError(ModelError):
     """The prompt (plus the tokens asked for) does not fit the model's context window.
 

@@ -20,11 +20,11 @@ from typing import Any
 
 from closedloop.messages import (AudioPart, ImagePart, MediaRef, SystemMessage, TextPart, ToolMessage, UserMessage,
                                  _Message)
-from closedloop.models.base import ModelError
+from closedloop.models.base import UnsupportedInputError
 from closedloop.models.chat_format import message_to_template_dict
 
 
-class MediaError(ModelError):
+class MediaError(UnsupportedInputError):
     """A media part that cannot be read (bad data URL, remote URL, undecodable image)."""
 
 
@@ -44,7 +44,7 @@ def require_text_only(messages: list[_Message], model_name: str) -> None:
     """A text-only model given an image or audio part: a clear error, never a silent drop."""
     kinds = media_kinds(messages)
     if kinds:
-        raise ModelError(f"{model_name} is a text-only model and cannot read {' or '.join(sorted(kinds))} parts; "
+        raise UnsupportedInputError(f"{model_name} is a text-only model and cannot read {' or '.join(sorted(kinds))} parts; "
                          f"use a vision/audio-language checkpoint (hf: loads one through its processor) "
                          f"or remove the parts")
 

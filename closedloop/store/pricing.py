@@ -57,11 +57,14 @@ def _file_prices() -> dict[str, Price]:
 
 
 def _model_name(model: str) -> str:
-    """``openai:gpt-4o@https://...`` -> ``gpt-4o``; plain names pass through."""
-    backend, sep, rest = model.partition(":")
-    if sep and backend in ("openai", "hf", "vllm"):
-        model = rest.split("@", 1)[0] if backend == "openai" else rest
-    return model
+    """``openai:gpt-4o@https://...`` -> ``gpt-4o``; plain names (and anything that is not a valid
+    spec) pass through. The spec grammar is :func:`closedloop.models.parse_spec`'s, not a copy."""
+    from closedloop.models import parse_spec
+
+    try:
+        return parse_spec(model).model
+    except ValueError:
+        return model
 
 
 def price_for(model: str) -> Price | None:

@@ -301,3 +301,46 @@ def test_qi_ei_on_the_vlm_patch_embeddings(tiny_vlm):
     kept, idx = qi_ei_prune(text, patches, 0.5)
     assert len(idx) == max(1, round(0.5 * n)) and torch.all(idx[1:] > idx[:-1])
     assert torch.equal(qi_ei_prune(text, patches, 1.0)[0], patches)
+
+
+# ------------------------------------------------------------------ end to end with a VLM checkpoint
+
+
+def test_vlm_checkpoint_through_from_spec_and_the_tools(tiny_vlm_path, tmp_path):
+    """``hf:DIR`` of a real VLM checkpoint (the tiny LLaVA, loaded with AutoProcessor as any VLM
+    is): one forward per window over page images, through the library and through the tools."""
+    import json
+
+    from closedloop.tools.ziprerank import ziprerank_evaluate, ziprerank_rerank
+
+    rr = ListwiseReranker.from_spec(f"hf:{tiny_vlm_path}", window=4, stride=2)
+    assert rr.reads_images
+    imgs = pages(6)
+    counter = CountForwards(rr.model)
+    try:
+        perm, scores = rr.rerank("find the chart", imgs[:4])
+        assert counter.n == 1 and sorted(perm) == [0, 1, 2, 3] and len(scores) == 4
+    finally:
+        counter.handle.remove()
+    other = rr.score_window("find the chart", imgs[:2] + pages(1, seed=9) + imgs[3:4])
+    assert not torch.allclose(other, torch.tensor(scores))  # the pixels reach the scores
+
+    files = []
+    for i, img in enumerate(imgs):
+        files.append(f"page{i}.png")
+        img.save(tmp_path / files[-1])
+    out = asyncio.run(ziprerank_rerank.run({"model": f"hf:{tiny_vlm_path}", "query": "find the chart",
+                                            "candidates": [str(tmp_path / f) for f in files[:4]], "window": 4,
+                                            "stride": 2}))
+    assert out.ok, out.content
+    assert json.loads(out.content)["permutation"] == perm
+    (tmp_path / "set.jsonl").write_text(json.dumps({"query": "find the chart", "candidates": files,
+                                                    "relevant": [1]}) + "\n")
+    out = asyncio.run(ziprerank_evaluate.run({"model": f"hf:{tiny_vlm_path}", "ranking_set": str(tmp_path / "set.jsonl"),
+                                              "ks": [1, 3], "window": 4, "stride": 2}))
+    assert out.ok, out.content
+    report = json.loads(out.content)
+    assert report["n_forwards"] == n_windows(6, 4, 2) and report["first_stage"]["recall@3"] == 1.0
+    missing = asyncio.run(ziprerank_rerank.run({"model": f"hf:{tiny_vlm_path}", "query": "q",
+                                                "candidates": [str(tmp_path / "nope.png")]}))
+    assert not missing.ok and "page image not found" in missing.content

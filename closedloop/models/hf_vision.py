@@ -1,0 +1,102 @@
+"""``hf:`` for vision-language checkpoints: the same batched sampler, prompts built by the processor.
+
+A VLM checkpoint (one with a processor and an ``AutoModelForImageTextToText`` class) differs from a
+text model in one place only: the prompt. The processor renders the chat template, expands each
+image placeholder to the model's image tokens and computes ``pixel_values``; decoding after the
+first forward pass is the text model's. So this client overrides the two hooks of
+:class:`~closedloop.models.hf.HFClient` (encode a request; extra inputs of the prefill) and
+inherits everything else: micro-batching, seeded per-row sampling, tempered logprobs, streaming,
+tool-call parsing, the weights lock.
+
+Each turn records the exact prompt ids (image tokens expanded) and a
+:class:`~closedloop.messages.MediaRef` per image, so the model input can be rebuilt exactly.
+Audio parts are refused with a clear error until an audio-language model is wired the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from closedloop.messages import MediaRef, _Message
+from closedloop.models.base import ModelError, ToolChoice
+from closedloop.models.chat_format import select_tools
+from closedloop.models.hf import HFClient, _Request, _Row
+from closedloop.models.multimodal import MediaError, media_refs, render_for_processor
+
+__all__ = ["HFVisionClient", "is_vision_checkpoint"]
+
+
+def is_vision_checkpoint(path: str | Path) -> bool:
+    """Whether a local checkpoint is an image-text-to-text model with a processor."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        return False
+    has_processor = any((path / f).is_file() for f in ("processor_config.json", "preprocessor_config.json"))
+    if not has_processor:
+        return False
+    cfg = json.loads((path / "config.json").read_text())
+    return "vision_config" in cfg
+
+
+class HFVisionClient(HFClient):
+    """A transformers VLM (``AutoModelForImageTextToText`` + ``AutoProcessor``) behind the model interface."""
+
+    def __init__(self, model: Any, processor: Any, *, name: str = "", max_batch_size: int = 16,
+                 batch_wait_ms: float = 5.0):
+        self.processor = processor
+        tokenizer = processor.tokenizer
+        if getattr(tokenizer, "chat_template", None) is None and getattr(processor, "chat_template", None):
+            tokenizer.chat_template = processor.chat_template
+        super().__init__(model, tokenizer, name=name, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: Any = "auto", max_batch_size: int = 16,
+                        batch_wait_ms: float = 5.0, **model_kwargs: Any) -> "HFVisionClient":
+        import torch
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        if isinstance(dtype, str) and dtype != "auto":
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32', 'bfloat16' or 'auto'")
+            dtype = getattr(torch, dtype)
+        processor = AutoProcessor.from_pretrained(str(path))
+        model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype, **model_kwargs).to(device)
+        model.eval()
+        return cls(model, processor, name=str(path), max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms)
+
+    # ------------------------------------------------------------------ the two hooks
+
+    def encode_multimodal(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+                          tool_choice: ToolChoice | None = None) -> tuple[list[int], dict[str, Any] | None]:
+        """Prompt ids (image placeholders expanded) and the processor's other tensors."""
+        rendered, images, audio = render_for_processor(messages)
+        if audio:
+            raise MediaError(f"{self.spec} reads images, not audio parts")
+        shown = select_tools(tools, tool_choice)
+        text = self.processor.apply_chat_template(rendered, tools=shown, tokenize=False, add_generation_prompt=True)
+        if not images:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return list(ids), None
+        enc = self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
+        ids = enc.pop("input_ids")[0].tolist()
+        enc.pop("attention_mask", None)
+        return ids, dict(enc)
+
+    def _encode_request(self, req: _Request) -> tuple[list[int], dict[str, Any] | None, list[MediaRef]]:
+        ids, extras = self.encode_multimodal(req.messages, req.tools, req.tool_choice)
+        return ids, extras, media_refs(req.messages)
+
+    def _prefill_inputs(self, rows: list[_Row], device: Any) -> dict[str, Any]:
+        """Per-row tensors concatenated in row order: the model matches image features to image
+        tokens in flattened (row-major) order, which is the order of the rows."""
+        import torch
+
+        with_media = [r.extras for r in rows if r.extras]
+        if not with_media:
+            return {}
+        keys = set(with_media[0])
+        if any(set(e) != keys for e in with_media):
+            raise ModelError("requests in one batch produced different processor outputs")
+        return {k: torch.cat([e[k] for e in with_media], 0).to(device) for k in sorted(keys)}

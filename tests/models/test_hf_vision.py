@@ -1,0 +1,141 @@
+"""The ``hf:`` backend with a vision-language checkpoint: the tiny LLaVA built from the tiny text model.
+
+What must hold: a VLM whose language half is the text model gives the text model's prompt ids and
+samples on a text-only conversation; an image reaches the model (changes what it computes) and is
+recorded by content address; batching with image rows changes no row's seeded sample; a text-only
+model refuses media with a clear error (400 from the server), never drops it; the server serves
+image parts to a VLM through the real ``openai`` client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from closedloop.messages import ImagePart, TextPart, UserMessage
+from closedloop.models import SamplingParams, UnsupportedInputError, make_client
+from closedloop.models.hf import HFClient
+from closedloop.models.hf_vision import HFVisionClient, is_vision_checkpoint
+from closedloop.models.multimodal import MediaError
+
+
+def png(seed: int, size=(40, 50)) -> bytes:
+    from PIL import Image
+
+    arr = (np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def image_message(data: bytes, text: str = "What is in the picture? ") -> UserMessage:
+    return UserMessage(content=[TextPart(text=text), ImagePart.from_bytes(data)])
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_vlm_path):
+    return make_client(f"hf:{tiny_vlm_path}")
+
+
+@pytest.fixture(scope="module")
+def text(tiny_model_path):
+    return make_client(f"hf:{tiny_model_path}")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_spec_picks_the_vision_client_by_checkpoint(vlm, text, tiny_vlm_path, tiny_model_path):
+    assert is_vision_checkpoint(tiny_vlm_path) and not is_vision_checkpoint(tiny_model_path)
+    assert isinstance(vlm, HFVisionClient) and type(text) is HFClient
+
+
+def test_text_only_conversation_is_the_text_models(vlm, text):
+    msgs = [UserMessage(content="What is 3 plus 4?")]
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "a": {"type": "number"}, "b": {"type": "number"}}}}}]
+    for params in (SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, max_tokens=24,
+                                                                                seed=3)):
+        a = run(vlm.generate(msgs, tools, params))
+        b = run(text.generate(msgs, tools, params))
+        assert a.prompt_ids == b.prompt_ids
+        assert a.completion_ids == b.completion_ids
+        # One more vocabulary entry (<image>, logit 0 under a zero head row) shifts the softmax
+        # normaliser by about exp(0) / sum(exp(logits)): tiny, but not zero.
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)
+        assert a.media == []
+
+
+def test_an_image_reaches_the_model_and_is_recorded_by_content(vlm):
+    data_a, data_b = png(0), png(1)
+    ta = run(vlm.generate([image_message(data_a)], params=SamplingParams(temperature=0, max_tokens=6)))
+    image_id = vlm.tokenizer.convert_tokens_to_ids("<image>")
+    assert ta.prompt_ids.count(image_id) == 4  # (28 / 14) ** 2 patches, expanded by the processor
+    assert [(r.kind, r.sha256, r.mime, r.message, r.part) for r in ta.media] == [
+        ("image", hashlib.sha256(data_a).hexdigest(), "image/png", 0, 1)]
+    # Same ids, another picture: the model's next-token distribution changes.
+    ids_a, extras_a = vlm.encode_multimodal([image_message(data_a)])
+    ids_b, extras_b = vlm.encode_multimodal([image_message(data_b)])
+    assert ids_a == ids_b
+    with torch.no_grad():
+        la = vlm.model(input_ids=torch.tensor([ids_a]), **extras_a).logits[0, -1]
+        lb = vlm.model(input_ids=torch.tensor([ids_b]), **extras_b).logits[0, -1]
+    assert not torch.allclose(la, lb)
+
+
+def test_batching_image_rows_with_text_rows_changes_no_seeded_sample(vlm):
+    params = SamplingParams(temperature=0.9, max_tokens=10, seed=11)
+    reqs = [[image_message(png(0))], [UserMessage(content="Hello!")], [image_message(png(1), "Look: ")]]
+    alone = [run(vlm.generate(m, params=params)) for m in reqs]
+
+    async def together():
+        return await asyncio.gather(*(vlm.generate(m, params=params) for m in reqs))
+
+    before = len(vlm.batch_sizes)
+    joint = run(together())
+    assert max(vlm.batch_sizes[before:]) > 1  # they really shared a device batch
+    for a, b in zip(alone, joint):
+        assert a.completion_ids == b.completion_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_text_only_model_refuses_media_clearly(text):
+    with pytest.raises(UnsupportedInputError, match="text-only model and cannot read image parts"):
+        run(text.generate([image_message(png(0))]))
+
+
+def test_remote_or_broken_images_are_clear_errors(vlm):
+    with pytest.raises(MediaError, match="do not fetch image URLs"):
+        run(vlm.generate([UserMessage(content=[ImagePart.from_url("https://example.com/cat.png")])]))
+    with pytest.raises(MediaError, match="could not be decoded"):
+        run(vlm.generate([UserMessage(content=[ImagePart.from_bytes(b"not an image")])]))
+
+
+def test_server_serves_image_parts_to_a_vlm_and_400s_them_for_a_text_model(vlm, text):
+    import base64
+
+    import openai
+
+    from closedloop.server import create_app
+    from closedloop.server.local import serve_app
+
+    url_part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(0)).decode()}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this? "}, url_part]}]
+    with serve_app(create_app(vlm, "tiny-vlm")) as base_url:
+        client = openai.OpenAI(base_url=base_url, api_key="none")
+        out = client.chat.completions.create(model="tiny-vlm", messages=messages, max_tokens=5, temperature=0)
+        expected = run(vlm.generate([image_message(png(0), "What is this? ")],
+                                    params=SamplingParams(temperature=0, max_tokens=5)))
+        assert out.choices[0].message.content == (expected.message.text or None)
+        assert out.usage.prompt_tokens == len(expected.prompt_ids)
+    with serve_app(create_app(text, "tiny")) as base_url:
+        client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="text-only model"):
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
