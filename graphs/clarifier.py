@@ -161,3 +161,19 @@ def build_clarifier_graph(client: ModelClient, tools: ToolRegistry | None = None
     graph.add_edge("ask", END)
     wire_tool_loop(graph, tools, approve=approve, max_turns=max_turns, execute_tools=execute_tools)
     return graph.compile(checkpointer=checkpointer, name="clarifier")
+
+
+def make_graph(config: Any = None):
+    """The ``langgraph.json`` entry (see :func:`closedloop.graphs.react.make_graph`). Without a
+    scorer the clarifier lends the policy's own weights, so the model must be ``hf:``; before a model
+    is chosen (the server's schema pass) the graph is the react graph's shape over no model."""
+    from closedloop.runtime.factory import MissingModel, served_graph
+
+    def factory(client, tools=None, **kwargs):
+        if isinstance(client, MissingModel):
+            from closedloop.graphs.react import build_react_graph
+
+            return build_react_graph(client, tools, **kwargs)
+        return build_clarifier_graph(client, tools, **kwargs)
+
+    return served_graph(factory, config)

@@ -37,3 +37,12 @@ def build_react_graph(client: ModelClient, tools: ToolRegistry | None = None, *,
     graph.add_edge(START, "model")
     wire_tool_loop(graph, tools, approve=approve, max_turns=max_turns, execute_tools=execute_tools)
     return graph.compile(checkpointer=checkpointer, name="react")
+
+
+def make_graph(config: Any = None):
+    """The ``langgraph.json`` entry: the react graph with the model and tools of the run's config
+    (``configurable``/``context`` keys ``model``, ``tools``, ``approve``, ...; see
+    :data:`closedloop.runtime.factory.CONFIG_KEYS`)."""
+    from closedloop.runtime.factory import served_graph
+
+    return served_graph(build_react_graph, config)
