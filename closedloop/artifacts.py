@@ -3,13 +3,25 @@
 A model cannot paste a 10^6-entry array into a tool call, and a tool result that size would
 swamp the context. So tools take an :data:`ArrayInput` (a path to ``.npy``/``.npz``/
 ``.safetensors``, or a small nested list) and return :class:`ArrayRef` for large outputs.
+
+Paths resolve inside the working root (:mod:`closedloop.paths`). An array's size is read from its
+header before any data is: a 2 MB ``.npz`` that would unpack to gigabytes is refused, not
+unpacked (limit ``$CLOSEDLOOP_MAX_ARRAY_MB``, default 1024). Saved artifacts are kept under a
+size budget (``$CLOSEDLOOP_ARTIFACTS_MAX_MB``, default 5120): after a save that takes the directory
+over it, the oldest artifacts (older than ten minutes) are removed; :func:`prune_artifacts` also
+removes by age, like ``closedloop runs prune`` does for runs.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
+import time
 import uuid
+import zipfile
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Union
 
@@ -31,25 +43,107 @@ class ArrayRef(BaseModel):
     key: str | None = None
 
 
+__all__ = ["ArrayInput", "ArrayRef", "ArtifactError", "artifact_dir", "load_array", "save_array", "array_output",
+           "check_array_file", "resolve_array_path", "max_array_bytes", "prune_artifacts", "PruneReport", "INLINE_LIMIT"]
+
+
 class ArtifactError(ValueError):
     """An artifact is missing, unreadable, malformed or holds non-finite values."""
 
 
 def artifact_dir() -> Path:
-    """Where tool outputs are written: $CLOSEDLOOP_ARTIFACTS or ~/.closedloop/artifacts."""
-    root = Path(os.environ.get("CLOSEDLOOP_ARTIFACTS", Path.home() / ".closedloop" / "artifacts"))
+    """Where tool outputs are written: $CLOSEDLOOP_ARTIFACTS, else $CLOSEDLOOP_HOME/artifacts
+    (``~/.closedloop/artifacts``); the same rule as :class:`closedloop.config.Settings`."""
+    from closedloop.config import get_settings
+
+    root = get_settings().artifacts_dir
     root.mkdir(parents=True, exist_ok=True)
     return root
 
 
+def _env_mb(var: str, default: float) -> float:
+    raw = os.environ.get(var, "").strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise ArtifactError(f"{var}={raw!r}: give a size in MB") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ArtifactError(f"{var}={raw!r}: give a size in MB (> 0)")
+    return value
+
+
+def max_array_bytes() -> int:
+    """The largest array a path may unpack to: ``$CLOSEDLOOP_MAX_ARRAY_MB`` (default 1024)."""
+    return int(_env_mb("CLOSEDLOOP_MAX_ARRAY_MB", 1024) * 2**20)
+
+
+def resolve_array_path(value: str, name: str = "array") -> Path:
+    """A path argument resolved inside the working root (see :mod:`closedloop.paths`)."""
+    from closedloop.paths import PathOutsideRoot, resolve_path
+
+    try:
+        return resolve_path(value, name=name)
+    except PathOutsideRoot as e:
+        raise ArtifactError(str(e)) from None
+
+
+def _npy_header_bytes(fh: Any) -> tuple[tuple[int, ...], np.dtype]:
+    version = np.lib.format.read_magic(fh)
+    if version == (1, 0):
+        shape, _, dtype = np.lib.format.read_array_header_1_0(fh)
+    else:
+        shape, _, dtype = np.lib.format.read_array_header_2_0(fh)
+    return shape, dtype
+
+
+def _check_size(name: str, path: Path, what: str, shape: Any, dtype: np.dtype, limit: int) -> None:
+    n = math.prod(int(d) for d in shape) * max(int(dtype.itemsize), 1)
+    if dtype.hasobject:
+        raise ArtifactError(f"{name}: {path.name}{what} holds Python objects; only numeric arrays are read")
+    if n > limit:
+        raise ArtifactError(f"{name}: {path.name}{what} would unpack to {n / 2**20:.0f} MiB (shape {list(shape)}, "
+                            f"{dtype}), over the limit of {limit / 2**20:.0f} MiB (CLOSEDLOOP_MAX_ARRAY_MB)")
+
+
+def check_array_file(path: Path, *, name: str = "array", key: str | None = None, limit: int | None = None) -> None:
+    """Refuse a file whose arrays would unpack beyond ``limit`` bytes, reading only headers."""
+    limit = max_array_bytes() if limit is None else limit
+    if path.suffix == ".npy":
+        with open(path, "rb") as fh:
+            shape, dtype = _npy_header_bytes(fh)
+        _check_size(name, path, "", shape, dtype, limit)
+    elif path.suffix == ".npz":
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                member = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+                if key is not None and member != key:
+                    continue
+                if info.file_size > limit + 4096:  # the zip's own size record
+                    raise ArtifactError(f"{name}: {path.name}[{member}] would unpack to "
+                                        f"{info.file_size / 2**20:.0f} MiB, over the limit of "
+                                        f"{limit / 2**20:.0f} MiB (CLOSEDLOOP_MAX_ARRAY_MB)")
+                with zf.open(info) as fh:
+                    shape, dtype = _npy_header_bytes(fh)
+                _check_size(name, path, f"[{member}]", shape, dtype, limit)
+    elif path.suffix == ".safetensors":
+        if path.stat().st_size > limit + 2**20:
+            raise ArtifactError(f"{name}: {path.name} is {path.stat().st_size / 2**20:.0f} MiB, over the limit of "
+                                f"{limit / 2**20:.0f} MiB (CLOSEDLOOP_MAX_ARRAY_MB)")
+
+
 def load_array(value: ArrayInput, *, key: str | None = None, name: str = "array",
                require_finite: bool = True) -> np.ndarray:
-    """Load a path (``.npy``, ``.npz``[key], ``.safetensors``[key]) or an inline list as an array."""
+    """Load a path (``.npy``, ``.npz``[key], ``.safetensors``[key]) or an inline list as an array.
+
+    A path must lie inside the working root; its arrays' sizes are checked from their headers
+    before anything is unpacked."""
     if isinstance(value, str):
-        path = Path(value).expanduser()
-        if not path.exists():
-            raise ArtifactError(f"{name}: file not found: {path}")
+        path = resolve_array_path(value, name)
+        if not path.is_file():
+            raise ArtifactError(f"{name}: file not found: {value}")
         try:
+            if path.suffix in (".npy", ".npz", ".safetensors"):
+                check_array_file(path, name=name, key=key)
             if path.suffix == ".npy":
                 arr = np.load(path, allow_pickle=False)
             elif path.suffix == ".npz":
@@ -85,12 +179,78 @@ def load_array(value: ArrayInput, *, key: str | None = None, name: str = "array"
 
 def save_array(arr: Any, *, prefix: str = "array", directory: Path | None = None) -> ArrayRef:
     arr = np.asarray(arr)
+    own_dir = directory is None
     directory = directory or artifact_dir()
     path = directory / f"{prefix}-{uuid.uuid4().hex[:12]}.npy"
     tmp = path.with_suffix(".tmp.npy")
     np.save(tmp, arr)
     os.replace(tmp, path)  # never leave a half-written artifact behind
+    if own_dir:
+        _note_write(directory, arr.nbytes)
     return ArrayRef(path=str(path), shape=list(arr.shape), dtype=str(arr.dtype))
+
+
+@dataclass
+class PruneReport:
+    """What :func:`prune_artifacts` removed and what it kept."""
+
+    removed: int
+    freed_bytes: int
+    kept: int
+    kept_bytes: int
+
+
+# Files younger than this are never removed by the size budget: a run may still hand them on.
+MIN_AGE_S = 600.0
+_written = {"bytes": 0}
+_written_lock = threading.Lock()
+
+
+def prune_artifacts(*, older_than: timedelta | None = None, max_total_mb: float | None = None,
+                    directory: Path | None = None, min_age_s: float = MIN_AGE_S,
+                    dry_run: bool = False) -> PruneReport:
+    """Remove artifacts older than ``older_than``, then the oldest ones until the directory holds
+    at most ``max_total_mb`` (files younger than ``min_age_s`` are kept either way)."""
+    directory = directory or artifact_dir()
+    now = time.time()
+    files = []
+    for p in directory.iterdir():
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        if p.is_file():
+            files.append((st.st_mtime, st.st_size, p))
+    files.sort()  # oldest first
+    total = sum(f[1] for f in files)
+    removed = freed = 0
+    budget = None if max_total_mb is None else max_total_mb * 2**20
+    for mtime, size, p in files:
+        age = now - mtime
+        if age < min_age_s:
+            continue
+        too_old = older_than is not None and age > older_than.total_seconds()
+        over = budget is not None and total > budget
+        if not (too_old or over):
+            continue
+        if not dry_run:
+            try:
+                p.unlink()
+            except OSError:
+                continue
+        removed, freed, total = removed + 1, freed + size, total - size
+    return PruneReport(removed=removed, freed_bytes=freed, kept=len(files) - removed, kept_bytes=total)
+
+
+def _note_write(directory: Path, nbytes: int) -> None:
+    """Apply the size budget after every ~1/20 of it written (scanning on each save would be slow)."""
+    budget_mb = _env_mb("CLOSEDLOOP_ARTIFACTS_MAX_MB", 5120)
+    with _written_lock:
+        _written["bytes"] += nbytes
+        if _written["bytes"] < budget_mb * 2**20 / 20:
+            return
+        _written["bytes"] = 0
+    prune_artifacts(max_total_mb=budget_mb, directory=directory)
 
 
 def array_output(arr: Any, *, prefix: str = "array", inline_limit: int = INLINE_LIMIT) -> Any:

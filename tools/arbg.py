@@ -45,7 +45,7 @@ from pydantic import BaseModel, Field
 from torch import nn
 
 from closedloop.artifacts import ArrayInput, ArrayRef, array_output, artifact_dir, load_array
-from closedloop.tool import Tool, tool
+from closedloop.tool import ArgumentLimits, Tool, tool
 
 __all__ = [
     "Discretizer", "filter_logits", "ARModel", "sequence_log_prob", "sample", "log_q", "train_mle",
@@ -420,7 +420,7 @@ class ToyReport(BaseModel):
 Count = Annotated[int, Field(ge=1, le=200_000)]
 
 
-@tool(timeout_s=600)
+@tool(timeout_s=600, isolation="process")
 def arbg_toy(energy: ToyName = "gmm", num_bins: Annotated[int, Field(ge=2, le=1024)] = 256,
              n_train: Count = 20000, steps: Annotated[int, Field(ge=1, le=20000)] = 200, n_samples: Count = 5000,
              temperature: Annotated[float, Field(gt=0.0)] = 1.0,
@@ -482,7 +482,7 @@ class SnisReport(BaseModel):
     weights: ArrayRef | list = Field(description="self-normalised weights, inline if small else an .npy artifact")
 
 
-@tool
+@tool(limits=ArgumentLimits(allow_non_finite=True))  # −inf in log_q marks a sample outside the support
 def arbg_snis(energies: ArrayInput, log_q: ArrayInput, beta: Annotated[float, Field(gt=0.0)] = 1.0) -> SnisReport:
     """Self-normalised importance weights w ∝ exp(−βE(x) − log q(x)) and their Kish ESS.
 

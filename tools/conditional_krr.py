@@ -30,11 +30,11 @@ import abc
 
 from dataclasses import dataclass
 from itertools import combinations_with_replacement
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import numpy as np
 import scipy.linalg as sla
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from closedloop.artifacts import ArrayRef, ArtifactError, array_output, load_array
 from closedloop.tool import Tool, tool
@@ -191,9 +191,12 @@ def make_features(spec: Any, seed: int = 0, n_landmarks: int | None = None) -> F
         return PolynomialFeatures(1)
     name, _, arg = str(spec).partition(":")
     try:
-        n = int(arg)
+        n = int(arg) if len(arg) <= 9 else -1
     except ValueError:
         n = -1
+    limit = _FEATURE_LIMITS.get(name)
+    if limit is not None and n > limit:  # features are allocated per sample: bound them before any work
+        raise ValueError(f"features {spec!r}: {name}:k takes k <= {limit}")
     if name == "poly" and n >= 0:
         return PolynomialFeatures(n)
     if name == "mercer" and n >= 1:
@@ -329,13 +332,22 @@ def _check_xy(x: Any, y: Any) -> tuple[np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------------------------- tools
 
 MAX_SAMPLES = 10_000
+# The largest k of each feature family: a degree-d polynomial has O(dim^d) columns, Mercer and
+# random Fourier features one column per k.
+_FEATURE_LIMITS = {"poly": 8, "mercer": MAX_SAMPLES, "rff": 100_000}
+Gamma = Annotated[float, Field(gt=0.0)]
 
 
 def load_dataset(path: str, x_key: str, y_key: str, test: bool) -> tuple[np.ndarray, np.ndarray] | None:
     if not path.endswith(".npz"):
         raise ArtifactError(f"dataset must be an .npz file holding {x_key} and {y_key}, got {path!r}")
     if test:
-        with np.load(path, allow_pickle=False) as z:
+        from closedloop.artifacts import resolve_array_path
+
+        resolved = resolve_array_path(path, "dataset")  # inside the working root, or refused
+        if not resolved.is_file():
+            raise ArtifactError(f"dataset: file not found: {path}")
+        with np.load(resolved, allow_pickle=False) as z:
             present = [k for k in (x_key, y_key) if k in z]
         if not present:
             return None
@@ -365,9 +377,10 @@ class FitReport(BaseModel):
     test_predictions: list[Any] | ArrayRef | None
 
 
-@tool(timeout_s=300)
-def conditional_krr_fit(dataset: str, features: str = "linear", kernel: KernelName = "rbf", gamma: float | None = None,
-                        alpha: float = 1.0, degree: int = 3, coef0: float = 1.0, n_landmarks: int | None = None,
+@tool(timeout_s=300, isolation="process")
+def conditional_krr_fit(dataset: str, features: str = "linear", kernel: KernelName = "rbf", gamma: Gamma | None = None,
+                        alpha: Annotated[float, Field(gt=0.0)] = 1.0, degree: Annotated[int, Field(ge=1, le=20)] = 3,
+                        coef0: float = 1.0, n_landmarks: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = None,
                         seed: int = 0, compare_plain: bool = True, x_key: str = "X", y_key: str = "y",
                         x_test_key: str = "X_test", y_test_key: str = "y_test") -> FitReport:
     """Fit conditional kernel ridge regression (unpenalised class F + kernel ridge on the rest) on an .npz dataset
@@ -421,9 +434,10 @@ class ResidualSpectrumReport(BaseModel):
     trace_fraction_removed: float  # 1 - tr(Pi K Pi) / tr(K)
 
 
-@tool
+@tool(isolation="process")
 def residual_kernel_spectrum(dataset: str, features: str = "mercer:5", kernel: KernelName = "rbf",
-                             gamma: float | None = None, top: int = 10, seed: int = 0, x_key: str = "X") -> ResidualSpectrumReport:
+                             gamma: Gamma | None = None, top: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] = 10,
+                             seed: int = 0, x_key: str = "X") -> ResidualSpectrumReport:
     """Spectrum of the Gram matrix K and of the residual Gram Pi K Pi left after removing F: how much of the kernel
     the unpenalised class takes over (use it to choose k in mercer:k or rff:k).
 

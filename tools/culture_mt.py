@@ -86,10 +86,18 @@ class Note(BaseModel):
         return v
 
 
+def _resolve(path: str | Path, what: str) -> Path:
+    from closedloop.artifacts import resolve_array_path
+
+    return resolve_array_path(str(path), what)  # inside the working root, or refused
+
+
 def _read_records(path: str | Path, what: str) -> list[dict[str, Any]]:
-    p = Path(path).expanduser()
+    p = _resolve(path, what)
     if not p.is_file():
-        raise ArtifactError(f"{what}: file not found: {p}")
+        raise ArtifactError(f"{what}: file not found: {path}")
+    if p.stat().st_size > 256 * 2**20:
+        raise ArtifactError(f"{what}: {p.name} is over 256 MiB")
     text = p.read_text(encoding="utf-8")
     if p.suffix == ".json":
         try:
@@ -137,10 +145,10 @@ def load_notes(path: str | Path, field_map: dict[str, str] | None = None) -> lis
 
 def load_hypotheses(path: str | Path, notes: Sequence[Note]) -> list[str]:
     """Hypotheses aligned with ``notes``: JSONL/JSON by id, or .txt one line per note in order."""
-    p = Path(path).expanduser()
+    p = _resolve(path, "hypotheses")
     if p.suffix == ".txt":
         if not p.is_file():
-            raise ArtifactError(f"hypotheses: file not found: {p}")
+            raise ArtifactError(f"hypotheses: file not found: {path}")
         lines = p.read_text(encoding="utf-8").split("\n")
         if lines and lines[-1] == "":
             lines = lines[:-1]

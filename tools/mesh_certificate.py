@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import scipy.linalg as sla
 import scipy.sparse as sp
 import scipy.sparse.csgraph as csgraph
 import scipy.sparse.linalg as spla
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from closedloop.artifacts import ArrayInput, ArrayRef, ArtifactError, artifact_dir, load_array, save_array
 from closedloop.tool import Tool, tool
@@ -450,20 +450,27 @@ class DefectPenalty:
 # ---------------------------------------------------------------------------------- tools
 
 MAX_DENSE_ENTRIES = 4_000_000
+MAX_MESH_VERTICES = 10_000_000
 
 
 def load_operator(value: ArrayInput, name: str) -> Operator:
     """A dense array (.npy/.npz/.safetensors/inline) or a scipy.sparse .npz (``save_npz``)."""
     if isinstance(value, str) and value.endswith(".npz"):
+        from closedloop.artifacts import check_array_file, resolve_array_path
+
+        path = resolve_array_path(value, name)  # inside the working root, or refused
+        if not path.is_file():
+            raise ArtifactError(f"{name}: file not found: {value}")
         try:
-            with np.load(value, allow_pickle=False) as z:
+            check_array_file(path, name=name)  # sizes from the headers, before unpacking
+            with np.load(path, allow_pickle=False) as z:
                 is_sparse = {"format", "shape", "data"} <= set(z.keys())
-        except FileNotFoundError:
-            raise ArtifactError(f"{name}: file not found: {value}") from None
+        except ArtifactError:
+            raise
         except Exception as e:
             raise ArtifactError(f"{name}: cannot read {value}: {e}") from None
         if is_sparse:
-            op = sp.csr_matrix(sp.load_npz(value), dtype=float)
+            op = sp.csr_matrix(sp.load_npz(path), dtype=float)
             if not np.all(np.isfinite(op.data)):
                 raise ArtifactError(f"{name}: contains NaN or infinite values")
             return op
@@ -501,7 +508,7 @@ def _report(c: Certificate, d0: Operator, d1: Operator, tol: float) -> Certifica
 
 @tool
 def compatibility_certificate(d0: ArrayInput, d1: ArrayInput, norm: Literal["fro", "spectral"] = "fro",
-                              tol: float = 1e-10) -> CertificateReport:
+                              tol: Annotated[float, Field(ge=0.0)] = 1e-10) -> CertificateReport:
     """Distance of a learned operator pair to chain compatibility: ||D1 D0||_F and ||D1 D0||_F/(||D1|| ||D0||).
 
     Args:
@@ -526,7 +533,7 @@ class ProjectionReport(BaseModel):
     note: str
 
 
-@tool
+@tool(isolation="process")
 def project_to_compatible(d0: ArrayInput, d1: ArrayInput, mode: Literal["d1", "d0", "joint"] = "d1",
                           method: Literal["auto", "factor", "lsqr", "dense"] = "auto") -> ProjectionReport:
     """Frobenius-nearest chain-compatible operator pair, with certificates before and after.
@@ -572,8 +579,9 @@ class HodgeReport(BaseModel):
     threshold: float
 
 
-@tool
-def hodge_spectrum(d0: ArrayInput, d1: ArrayInput, threshold: float = 1e-3, rtol: float = 1e-8) -> HodgeReport:
+@tool(isolation="process")
+def hodge_spectrum(d0: ArrayInput, d1: ArrayInput, threshold: Annotated[float, Field(gt=0.0)] = 1e-3,
+                   rtol: Annotated[float, Field(gt=0.0, lt=1.0)] = 1e-8) -> HodgeReport:
     """Learned Hodge Laplacians L0 = D0^T D0, L1 = D0 D0^T + D1^T D1: condition numbers on the nonzero spectrum,
     kernel dimensions and low-frequency counts (eigenvalues below threshold).
 
@@ -613,7 +621,8 @@ def _mesh_report(faces: np.ndarray, nv: int, vertices: np.ndarray | None = None)
 
 
 @tool
-def mesh_incidence(faces: ArrayInput, n_vertices: int | None = None) -> MeshReport:
+def mesh_incidence(faces: ArrayInput, n_vertices: Annotated[int, Field(ge=1, le=MAX_MESH_VERTICES)] | None = None
+                   ) -> MeshReport:
     """Exact signed incidence operators D0 (edges x vertices) and D1 (faces x edges) of a triangle mesh,
     saved as scipy.sparse .npz; edges are oriented from lower to higher vertex index.
 
@@ -623,11 +632,19 @@ def mesh_incidence(faces: ArrayInput, n_vertices: int | None = None) -> MeshRepo
     """
     f = load_array(faces, name="faces")
     nv = int(np.max(f)) + 1 if n_vertices is None and f.size else int(n_vertices or 0)
+    if nv > MAX_MESH_VERTICES:  # operators and components are sized by the vertex count
+        raise ValueError(f"faces name vertex {nv - 1}; at most {MAX_MESH_VERTICES} vertices are supported")
     return _mesh_report(np.asarray(f), nv)
 
 
-@tool
-def grid_mesh_operators(n: int, holes: list[list[int]] | None = None) -> MeshReport:
+def _grid_bytes(n: int, **_: Any) -> float:
+    """Vertices, faces, the edge list and both sparse operators: about 400 bytes per cell."""
+    return 400.0 * (n + 1) ** 2
+
+
+@tool(isolation="process", estimate_bytes=_grid_bytes)
+def grid_mesh_operators(n: Annotated[int, Field(ge=1, le=2000)],
+                        holes: Annotated[list[list[int]], Field(max_length=100_000)] | None = None) -> MeshReport:
     """Triangulated n x n grid (a disk) with optional removed cells (each interior 4-connected block = one hole),
     and its exact incidence operators; a test bed for certificates and Hodge spectra.
 

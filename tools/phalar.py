@@ -270,9 +270,13 @@ def load_audio(value: ArrayInput, sample_rate: int, name: str = "audio") -> np.n
         from scipy.io import wavfile
         from scipy.signal import resample_poly
 
-        path = Path(value).expanduser()
-        if not path.exists():
-            raise ValueError(f"{name}: file not found: {path}")
+        from closedloop.artifacts import resolve_array_path
+
+        path = resolve_array_path(value, name)  # inside the working root, or refused
+        if not path.is_file():
+            raise ValueError(f"{name}: file not found: {value}")
+        if path.stat().st_size > 512 * 2**20:
+            raise ValueError(f"{name}: {path.name} is over 512 MiB; use a shorter recording")
         try:
             sr, data = wavfile.read(path)
         except Exception as e:

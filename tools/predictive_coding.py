@@ -407,6 +407,24 @@ def _data(input_dim: int, output_dim: int, batch_size: int, seed: int, dtype: to
     return x.to(dtype), y.to(dtype)
 
 
+def _pc_bytes(width: int, depth: int, input_dim: int = 16, output_dim: int = 4, batch_size: int = 32,
+              dtype: str = "float64", **_: object) -> float:
+    """Peak working set of one comparison: the weights about six times over (layer maps, the BP
+    probe's copies and gradients, PC gradients) and the activities of every layer."""
+    item = 4 if dtype == "float32" else 8
+    weights = depth * width * width + (input_dim + output_dim) * width
+    return item * (6.0 * weights + 4.0 * depth * batch_size * width)
+
+
+def _sweep_bytes(widths: list[int], depths: list[int], input_dim: int = 16, output_dim: int = 4,
+                 batch_size: int = 32, **_: object) -> float:
+    return max(_pc_bytes(w, d, input_dim, output_dim, batch_size) for w in widths for d in depths)
+
+
+# Positive, finite numbers (NaN and infinities are refused for every tool before the call).
+Positive = Annotated[float, Field(gt=0.0)]
+
+
 def _report(net: PCNetwork, width: int, param_type: str, al: Alignment) -> AlignmentReport:
     inf = al.inference
     return AlignmentReport(width=width, depth=net.depth, param_type=param_type, residual=net.residual,
@@ -417,12 +435,12 @@ def _report(net: PCNetwork, width: int, param_type: str, al: Alignment) -> Align
                            inference_grad_max=inf.grad_max if inf else None)
 
 
-@tool(timeout_s=300)
+@tool(timeout_s=300, isolation="process", estimate_bytes=_pc_bytes)
 def pc_bp_alignment(width: Width, depth: Depth, param_type: ParamType = "mupc", residual: bool = True,
                     activation: Activation = "linear", method: Literal["auto", "closed_form", "inference"] = "auto",
                     input_dim: Dim = 16, output_dim: Dim = 4, batch_size: Batch = 32, seed: int = 0,
-                    output_weight: float = 1.0, inputs: ArrayInput | None = None, targets: ArrayInput | None = None,
-                    max_steps: Annotated[int, Field(ge=1, le=200000)] = 20000, tol: float = 1e-8,
+                    output_weight: Positive = 1.0, inputs: ArrayInput | None = None, targets: ArrayInput | None = None,
+                    max_steps: Annotated[int, Field(ge=1, le=200000)] = 20000, tol: Positive = 1e-8,
                     dtype: Literal["float32", "float64"] = "float64") -> AlignmentReport:
     """How close a predictive-coding network's equilibrium is to backprop (arXiv 2602.07697).
 
@@ -455,11 +473,11 @@ def pc_bp_alignment(width: Width, depth: Depth, param_type: ParamType = "mupc", 
     return _report(net, width, param_type, al)
 
 
-@tool(timeout_s=300)
+@tool(timeout_s=300, isolation="process", estimate_bytes=_pc_bytes)
 def pc_linear_equilibrium_check(width: Width, depth: Depth, param_type: ParamType = "mupc", residual: bool = True,
                                 input_dim: Dim = 16, output_dim: Dim = 4, batch_size: Batch = 32, seed: int = 0,
-                                output_weight: float = 1.0, max_steps: Annotated[int, Field(ge=1, le=200000)] = 50000,
-                                tol: float = 1e-10, dtype: Literal["float32", "float64"] = "float64") -> EquilibriumCheck:
+                                output_weight: Positive = 1.0, max_steps: Annotated[int, Field(ge=1, le=200000)] = 50000,
+                                tol: Positive = 1e-10, dtype: Literal["float32", "float64"] = "float64") -> EquilibriumCheck:
     """Run PC inference on a linear net and compare with the closed-form equilibrium F* = ½rᵀS⁻¹r.
 
     Args:
@@ -488,7 +506,7 @@ def pc_linear_equilibrium_check(width: Width, depth: Depth, param_type: ParamTyp
                             max_activity_gap=gap, steps=res.steps, converged=res.converged, step_size=res.step_size)
 
 
-@tool(timeout_s=600)
+@tool(timeout_s=600, isolation="process", estimate_bytes=_sweep_bytes)
 def pc_width_sweep(widths: Annotated[list[Width], Field(min_length=1, max_length=16)],
                    depths: Annotated[list[Depth], Field(min_length=1, max_length=16)],
                    param_type: ParamType = "mupc", residual: bool = True, input_dim: Dim = 16,

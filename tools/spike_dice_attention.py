@@ -304,7 +304,12 @@ def _stats(scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, self_scores: 
                       self_score_spread=spread, relevance_auc=auc)
 
 
-@tool(timeout_s=120)
+def _density_bytes(batch: int = 2, heads: int = 4, tokens: int = 64, dim: int = 64, **_: object) -> float:
+    """Spikes (B, H, N, D) and three (B, H, N, N) score tensors, float32, a few times over."""
+    return 4.0 * 4 * batch * heads * tokens * (dim + 3 * tokens)
+
+
+@tool(timeout_s=120, isolation="process", estimate_bytes=_density_bytes)
 def spike_attention_density_bias(batch: Size = 2, heads: Size = 4, tokens: Size = 64, dim: Size = 64,
                                  rate_low: Rate = 0.05, rate_high: Rate = 0.5,
                                  structure: Literal["independent", "prototype"] = "independent",

@@ -311,9 +311,11 @@ class RankingExample(BaseModel):
 
 def load_ranking_set(path: str | Path) -> list[RankingExample]:
     """JSONL, one ``{"query", "candidates", "relevant"}`` per line (candidates in first-stage order)."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ArtifactError(f"ranking set not found: {p}")
+    from closedloop.artifacts import resolve_array_path
+
+    p = resolve_array_path(str(path), "ranking_set")  # inside the working root, or refused
+    if not p.is_file():
+        raise ArtifactError(f"ranking set not found: {path}")
     out = []
     for no, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():
@@ -372,8 +374,11 @@ def _load_pages(paths: Sequence[str]) -> list[Any]:
     """Page images from files, RGB; a clear error naming the first one that cannot be read."""
     from PIL import Image, UnidentifiedImageError
 
+    from closedloop.artifacts import resolve_array_path
+
     pages = []
     for p in paths:
+        resolve_array_path(p, "page image")  # inside the working root, or refused
         try:
             with Image.open(p) as img:
                 pages.append(img.convert("RGB"))

@@ -19,7 +19,8 @@ def test_load_every_format(tmp_path):
 
 
 @pytest.mark.parametrize("value, fragment", [
-    ("/nonexistent/x.npy", "not found"),
+    ("/nonexistent/x.npy", "outside the working root"),  # never "not found": that would probe the disk
+    ("missing-in-cwd.npy", "not found"),
     ([[1, 2], [3]], "rectangular"),
     ([1.0, float("nan")], "NaN"),
 ])

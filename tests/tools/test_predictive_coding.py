@@ -203,11 +203,11 @@ async def test_sweep_tool_rows(registry):
     ({"width": 0, "depth": 3}, "invalid_arguments", "width"),
     ({"width": 8, "depth": 3, "param_type": "mup"}, "invalid_arguments", "param_type"),
     ({"width": 8, "depth": 3, "activation": "tanh", "method": "closed_form"}, "exception", "linear networks only"),
-    ({"width": 8, "depth": 3, "inputs": "/nonexistent/x.npy"}, "exception", "file not found"),
-    ({"width": 8, "depth": 3, "inputs": [[1.0, float("nan")]]}, "exception", "NaN"),
+    ({"width": 8, "depth": 3, "inputs": "/nonexistent/x.npy"}, "exception", "outside the working root"),
+    ({"width": 8, "depth": 3, "inputs": [[1.0, float("nan")]]}, "invalid_arguments", "NaN"),
     ({"width": 8, "depth": 3, "inputs": [[[1.0]]]}, "exception", "2-D"),
     ({"width": 8, "depth": 3, "inputs": [[1.0, 2.0]], "targets": [[1.0], [2.0]]}, "exception", "targets must have"),
-    ({"width": 8, "depth": 3, "output_weight": -1.0}, "exception", "output_weight"),
+    ({"width": 8, "depth": 3, "output_weight": -1.0}, "invalid_arguments", "output_weight"),
 ])
 async def test_tool_errors_are_clear(registry, args, kind, needle):
     out = await registry.call_json("pc_bp_alignment", json.dumps(args))

@@ -210,12 +210,12 @@ async def test_tools_take_spike_artifacts(registry, tmp_path):
     ("spike_attention_density_bias", {"queries": [[0, 2, 1]]}, "exception", "binary"),
     ("spike_attention_density_bias", {"queries": [1, 0, 1]}, "exception", "shape"),
     ("spike_attention_density_bias", {"keys": [[1, 0]]}, "exception", "without queries"),
-    ("spike_attention_density_bias", {"queries": "/nonexistent/q.npy"}, "exception", "file not found"),
+    ("spike_attention_density_bias", {"queries": "/nonexistent/q.npy"}, "exception", "outside the working root"),
     ("spike_attention_density_bias", {"queries": [[1, 0]], "keys": [[1, 0, 1]]}, "exception", "share"),
     ("spike_attention_density_bias", {"rate_low": 0.6, "rate_high": 0.2}, "exception", "rate_low"),
     ("spike_attention_density_bias", {"rate_high": 1.5}, "invalid_arguments", "rate_high"),
     ("spike_attention_density_bias", {"lin_lambda": -0.1}, "invalid_arguments", "lin_lambda"),
-    ("spike_attention_scores", {"queries": [[1.0, float("nan")]]}, "exception", "NaN"),
+    ("spike_attention_scores", {"queries": [[1.0, float("nan")]]}, "invalid_arguments", "NaN"),
     ("spike_attention_scores", {"queries": [[1, 0]], "kind": "cosine"}, "invalid_arguments", "kind"),
 ])
 async def test_tool_errors_are_clear(registry, tool, args, kind, needle):
