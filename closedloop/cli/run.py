@@ -3,12 +3,19 @@
 With ``--input`` the graph runs once and prints the answer; without it, an interactive session
 streams tokens, shows each tool call and result, and asks before tools that need approval. Every
 run is recorded in the run store.
+
+Threads (``--checkpoint FILE --thread T``) resume exactly where they stopped: a thread whose last
+run was killed mid-step re-runs that step (the model call is made again, the user message is not
+added twice when the same ``--input`` is given), and a pending approval is asked again. When an
+approval cannot be asked (no terminal: stdin closed), the run is recorded as ``waiting`` with the
+pending request in its outcome, and the same command resumes it later.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import uuid
 from typing import Any
 
@@ -20,7 +27,9 @@ from closedloop import plugins
 from closedloop.messages import AssistantMessage, ToolMessage, UserMessage
 from closedloop.models import SamplingParams, make_client
 from closedloop.runtime import make_checkpointer
+from closedloop.runtime.convert import as_closedloop
 from closedloop.runtime.execute import GraphRun, run_graph
+from closedloop.runtime.factory import check_factory
 from closedloop.runtime.recording import StoreRecorder
 
 console = Console()
@@ -59,6 +68,7 @@ def _approve_option(value: str | None) -> bool | list[str]:
 
 async def _run(args: argparse.Namespace) -> int:
     factory = plugins.load("closedloop.graphs", args.graph)
+    check_factory(factory, args.graph)
     tools = plugins.tool_registry([m for m in args.tools.split(",") if m]) if args.tools else None
     client = make_client(args.model)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
@@ -66,6 +76,8 @@ async def _run(args: argparse.Namespace) -> int:
                                    stream_tokens=not args.no_stream)
     if args.system:
         options["system_prompt"] = args.system
+    if args.thread and not args.checkpoint:
+        console.print("[yellow]--thread without --checkpoint: nothing to resume from (in-memory thread)[/yellow]")
     thread = args.thread or uuid.uuid4().hex
     config = {"configurable": {"thread_id": thread}}
     store, run_id = _open_run(args, thread)
@@ -76,15 +88,25 @@ async def _run(args: argparse.Namespace) -> int:
         try:
             graph = factory(client, tools, checkpointer=saver, **options)
             recorder = StoreRecorder(store, run_id) if store else None
-            if args.input is not None:
-                result = await _turn(graph, {"messages": [UserMessage(content=args.input)]}, config, recorder)
+            result = await _resume(graph, config, recorder, args.input) if args.checkpoint else None
+            resumed_input = result is not None and getattr(result, "resumed_input", False)
+            if result is None or not result.paused:
+                if args.input is not None and not resumed_input:
+                    result = await _turn(graph, {"messages": [UserMessage(content=args.input)]}, config, recorder)
+                elif args.input is None:
+                    result = await _repl(graph, config, recorder, result)
+            if result.paused:
+                status = "waiting"
+                outcome = {"pending": result.interrupts, "thread_id": thread}
+                console.print(f"[yellow]waiting for approval; resume with --checkpoint {args.checkpoint} "
+                              f"--thread {thread}[/yellow]" if args.checkpoint else
+                              "[yellow]waiting for approval, but without --checkpoint the thread is lost[/yellow]")
             else:
-                result = await _repl(graph, config, recorder)
-            final = _final_answer(result)
-            outcome = {"answer": final, "thread_id": thread}
-            status = "completed"
-            if args.input is not None:
-                console.print(Panel(final or "(no answer)", title="answer", border_style="green"))
+                final = _final_answer(result)
+                outcome = {"answer": final, "thread_id": thread}
+                status = "completed"
+                if args.input is not None:
+                    console.print(Panel(final or "(no answer)", title="answer", border_style="green"))
         finally:
             if saver_cm:
                 await saver_cm.__aexit__(None, None, None)
@@ -105,6 +127,31 @@ async def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _resume(graph: Any, config: dict, recorder: Any, text: str | None) -> GraphRun | None:
+    """Continue a thread that stopped midway; ``None`` when it has nothing pending.
+
+    A pending approval is asked again (its interrupt is still in the checkpoint); a step that a
+    killed process did not finish is re-run from the last checkpoint (``None`` input), so the
+    model call happens again and nothing is added twice. The returned run has ``resumed_input``
+    set when ``text`` is the user message that the stopped run was answering.
+    """
+    snapshot = await graph.aget_state(config)
+    if not snapshot.next:
+        return None
+    messages = as_closedloop(snapshot.values.get("messages", []))
+    last_user = next((m.text for m in reversed(messages) if m.role == "user"), None)
+    pending = [i.value for task in snapshot.tasks for i in task.interrupts]
+    console.print(f"[yellow]resuming thread {config['configurable']['thread_id']} at {', '.join(snapshot.next)}"
+                  + (" (approval pending)" if pending else "") + "[/yellow]")
+    if pending:
+        result = await _turn(graph, None, config, recorder, pending=GraphRun(state=dict(snapshot.values),
+                                                                             interrupts=pending))
+    else:
+        result = await _turn(graph, None, config, recorder)
+    result.resumed_input = text is not None and text == last_user  # type: ignore[attr-defined]
+    return result
+
+
 def _open_run(args: argparse.Namespace, thread: str):
     if args.no_store:
         return None, None
@@ -117,8 +164,26 @@ def _open_run(args: argparse.Namespace, thread: str):
     return store, run_id
 
 
-async def _turn(graph: Any, graph_input: Any, config: dict, recorder: Any) -> GraphRun:
-    """Run until the graph ends, asking the user about each pending approval."""
+def _ask(request: dict) -> dict | None:
+    """Ask about each action of one approval request; ``None`` when nobody can answer (stdin closed)."""
+    decisions = []
+    try:
+        for action in request.get("action_requests", []):
+            args = action.get("args")
+            shown = args if isinstance(args, str) else json.dumps(args)
+            if Confirm.ask(f"run [cyan]{action.get('name')}[/cyan]({shown})?", default=True):
+                decisions.append({"type": "approve"})
+            else:
+                decisions.append({"type": "reject", "message": "declined at the terminal"})
+    except EOFError:
+        console.print()
+        return None
+    return {"decisions": decisions}
+
+
+async def _turn(graph: Any, graph_input: Any, config: dict, recorder: Any, pending: GraphRun | None = None) -> GraphRun:
+    """Run until the graph ends, asking the user about each pending approval (LangChain's HITL
+    request/decision shape). Returns a paused run when an approval could not be asked."""
     from langgraph.types import Command
 
     streaming = {"open": False}
@@ -139,23 +204,23 @@ async def _turn(graph: Any, graph_input: Any, config: dict, recorder: Any) -> Gr
             style = "red" if payload.error else "green"
             console.print(f"[{style}]← {payload.name}: {payload.text[:500]}[/{style}]")
 
-    result = await run_graph(graph, graph_input, config=config, on_event=on_event, recorder=recorder)
+    result = pending or await run_graph(graph, graph_input, config=config, on_event=on_event, recorder=recorder,
+                                        durability="sync")
     while result.paused:
-        decisions = {}
-        for req in result.interrupts:
-            ok = Confirm.ask(f"run [cyan]{req.get('name')}[/cyan]({req.get('arguments')})?", default=True)
-            decisions = ok
-        result = await run_graph(graph, Command(resume=decisions), config=config, on_event=on_event,
-                                 recorder=recorder)
+        answer = _ask(result.interrupts[0]) if len(result.interrupts) == 1 else None
+        if answer is None:
+            break
+        result = await run_graph(graph, Command(resume=answer), config=config, on_event=on_event,
+                                 recorder=recorder, durability="sync")
     if streaming["open"]:
         console.print()
     return result
 
 
-async def _repl(graph: Any, config: dict, recorder: Any) -> GraphRun:
+async def _repl(graph: Any, config: dict, recorder: Any, result: GraphRun | None = None) -> GraphRun:
     console.print("[bold]closedloop[/bold] interactive session — empty line or Ctrl-D to quit")
-    result = GraphRun(state={})
-    while True:
+    result = result or GraphRun(state={})
+    while not result.paused:
         try:
             text = console.input("[bold blue]you> [/bold blue]")
         except EOFError:
@@ -167,7 +232,10 @@ async def _repl(graph: Any, config: dict, recorder: Any) -> GraphRun:
 
 
 def _final_answer(result: GraphRun) -> str:
-    for m in reversed(result.state.get("messages", [])):
+    """The last plain answer of the current invocation (not one from earlier in the thread)."""
+    for m in reversed(as_closedloop(result.state.get("messages", []))):
+        if m.role == "user":
+            break
         if isinstance(m, AssistantMessage) and not m.tool_calls:
             return m.text
     return ""

@@ -12,8 +12,9 @@ from closedloop.messages import Message, Trajectory, Turn
 __all__ = ["RunStatus", "TERMINAL_STATUSES", "RunSummary", "RunRecord", "ToolCallRecord", "utcnow", "reward_dict",
            "trajectory_metadata"]
 
-RunStatus = Literal["running", "completed", "failed", "killed", "interrupted"]
-TERMINAL_STATUSES = ("completed", "failed", "killed", "interrupted")
+# "waiting": the run stopped on an approval nobody could answer; its thread resumes it (closedloop run --thread).
+RunStatus = Literal["running", "completed", "failed", "killed", "interrupted", "waiting"]
+TERMINAL_STATUSES = ("completed", "failed", "killed", "interrupted", "waiting")
 
 
 def utcnow() -> datetime:
