@@ -133,3 +133,13 @@ async def test_a_problem_key_next_to_an_instruction_is_shown_to_the_model():
     await graph.ainvoke({"problem": PROBLEM, "messages": [UserMessage(content="Optimise for latency.")]})
     assert [m.role for m in client.calls[0]] == ["system", "user", "user"]
     assert "class Model(nn.Module)" in client.calls[0][2].content
+
+
+def test_registered_kernel_graphs_follow_the_factory_contract():
+    from closedloop import plugins
+    from closedloop.runtime.factory import GraphFactory, check_factory
+
+    for name in ("kernel", "egg"):
+        factory = plugins.load("closedloop.graphs", name)
+        check_factory(factory, name)
+        assert isinstance(factory, GraphFactory)
