@@ -1,0 +1,1 @@
+"""FactGuard (paper 1): data, the environment, and its evaluation."""
