@@ -26,6 +26,7 @@ ceiling, wall-clock kill of the process group), for tools whose work must really
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import json
 import math
@@ -341,7 +342,8 @@ class Tool:
             except RuntimeError:  # the loop closed meanwhile: nobody waits for the value
                 pass
 
-        threading.Thread(target=work, name=f"closedloop-tool-{self.name}", daemon=True).start()
+        ctx = contextvars.copy_context()  # as asyncio.to_thread: LangGraph's config and writers stay visible
+        threading.Thread(target=ctx.run, args=(work,), name=f"closedloop-tool-{self.name}", daemon=True).start()
         try:
             return await (asyncio.wait_for(asyncio.shield(future), self.timeout_s) if self.timeout_s else future)
         except (asyncio.TimeoutError, asyncio.CancelledError):

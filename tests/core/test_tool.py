@@ -113,3 +113,17 @@ async def test_async_tools_and_direct_calls():
 
     assert (await double.run({"x": 2.5})).content == "5.0"
     assert await double(1.0) == 2.0
+
+
+async def test_thread_isolated_tools_see_the_callers_context_variables():
+    import contextvars
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
+
+    @tool
+    def read_var() -> str:
+        """Read the context variable."""
+        return var.get()
+
+    var.set("from the caller")
+    assert (await read_var.run({})).content == "from the caller"
