@@ -44,11 +44,23 @@ async def evaluate_code(tools: ToolRegistry, code: str, *, call_id: str,
             _record(EVALUATE_TOOL, code, r.content, r.error, r.error_kind, r.latency_s, call_id, turn_idx))
 
 
+def _profile_first(content: str) -> str:
+    """A JSON report with its profile and timings first (a long report is clipped at its end)."""
+    try:
+        data = json.loads(content)
+    except (json.JSONDecodeError, TypeError):
+        return content
+    if not isinstance(data, dict):
+        return content
+    first = {k: data[k] for k in ("profile", "timings", "speedup", "status") if k in data}
+    return json.dumps({**first, **{k: v for k, v in data.items() if k not in first}}, indent=1, default=str)
+
+
 async def profile_code(tools: ToolRegistry, code: str, *, call_id: str,
                        turn_idx: int | None = None) -> tuple[str, ToolRecord | None]:
     """The profiler's report for ``code`` (``profile_kernel``), or a note when none is available."""
     if PROFILE_TOOL not in tools:
         return "(no profiler available for this backend: reason from the evaluator's timings)", None
     r = await tools.call_json(PROFILE_TOOL, {"code": code})
-    report = r.content if r.error is None else f"(the profiler failed: {r.error})"
+    report = _profile_first(r.content) if r.error is None else f"(the profiler failed: {r.error})"
     return report, _record(PROFILE_TOOL, code, r.content, r.error, r.error_kind, r.latency_s, call_id, turn_idx)

@@ -249,6 +249,9 @@ def profile_system(backend: str) -> str:
             f"a JSON object of this form:\n{PROFILE_SCHEMA_HINT}")
 
 
-def profile_task(code: str, report: str, step: str, guide: str) -> str:
-    return (f"Kernel:\n```python\n{code.strip()}\n```\nProfiler report:\n```\n{report.strip()}\n```\n"
+def profile_task(code: str, report: str, step: str, guide: str, *, limit: int = 8000) -> str:
+    report = report.strip()
+    if len(report) > limit:  # the profiler lists the heaviest operators first: keep the head
+        report = report[:limit] + f"\n… ({len(report) - limit} more characters)"
+    return (f"Kernel:\n```python\n{code.strip()}\n```\nProfiler report:\n```\n{report}\n```\n"
             f"Current tuning step: {step.replace('_', ' ')} - {guide}.\nAnswer with the JSON object only.")

@@ -103,3 +103,26 @@ def test_the_prompts_example_is_a_valid_candidate():
     code = extract_code(example)
     compile(code, "example", "exec")
     compile(kernel("k"), "support", "exec")
+
+
+async def test_profile_report_puts_the_profile_first_and_long_reports_are_clipped():
+    from closedloop.agents.kernel.evaluate import profile_code
+    from closedloop.tool import ToolRegistry, tool
+
+    registry = ToolRegistry()
+
+    @tool(registry=registry)
+    def profile_kernel(code: str) -> str:
+        """Profile.
+
+        Args:
+            code: source.
+        """
+        return json.dumps({"status": "correct", "compiler_log": "x" * 20000, "profile": {"candidate": ["op"]}})
+
+    report, record = await profile_code(registry, "code", call_id="p1")
+    assert report.index('"profile"') < report.index('"compiler_log"') and record.name == "profile_kernel"
+    task = prompts.profile_task("code", report, "tiling", "tiles", limit=500)
+    assert '"profile"' in task and "more characters" in task and len(task) < 1500
+    none, rec = await profile_code(ToolRegistry(), "code", call_id="p2")
+    assert rec is None and "no profiler" in none
