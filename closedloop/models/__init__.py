@@ -40,15 +40,18 @@ BACKENDS = ("openai", "hf", "vllm")
 
 def parse_spec(spec: str) -> ModelSpec:
     """``backend:model[@base_url]``; the URL part is only meaningful for ``openai``."""
+    from closedloop.store.redact import redact_spec
+
     backend, sep, rest = spec.partition(":")
-    if not sep or backend not in BACKENDS or not rest:
-        raise ValueError(f"model spec {spec!r} must look like one of: openai:<model>[@<base_url>], "
+    if not sep or backend not in BACKENDS or not rest:  # errors show the spec redacted: it may hold a key
+        raise ValueError(f"model spec {redact_spec(spec)!r} must look like one of: openai:<model>[@<base_url>], "
                          f"hf:<path-or-id>, vllm:<path-or-id>")
     base_url = None
     if backend == "openai" and "@" in rest:
         rest, base_url = rest.split("@", 1)
         if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base URL {base_url!r} in {spec!r} must start with http:// or https://")
+            raise ValueError(f"base URL {redact_spec(base_url)!r} in {redact_spec(spec)!r} must start with http:// "
+                             f"or https://")
     return ModelSpec(backend, rest, base_url)
 
 

@@ -86,6 +86,9 @@ def test_spec_printing_is_redacted():
     assert SHORT_KEY not in printed and QUERY_KEY not in printed and "127.0.0.1:9/v1" in printed
     assert parse_spec(SPEC).base_url.startswith(f"http://user:{SHORT_KEY}@")  # the client still gets the key
     assert redact_spec(None) is None
+    with pytest.raises(ValueError) as info:  # a typo'd spec: the error (printed by the CLI) is redacted too
+        parse_spec(SPEC.replace("http://", "ftp://"))
+    assert SHORT_KEY not in str(info.value) and QUERY_KEY not in str(info.value)
 
 
 def _secrets_in(blob: bytes) -> list[str]:
