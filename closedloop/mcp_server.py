@@ -115,6 +115,9 @@ def build_server(registry: ToolRegistry, *, workdir: str | os.PathLike[str] | No
     root = Path(workdir if workdir is not None else os.getcwd()).resolve()
     if not root.is_dir():
         raise NotADirectoryError(f"working directory {root} does not exist or is not a directory")
+    from closedloop.paths import allow_root
+
+    allow_root(root)  # the tools' own working-root check (closedloop.paths) admits the server's directory
     listed = mcp_tools(registry)
 
     async def on_list_tools(ctx: Any, params: Any) -> types.ListToolsResult:

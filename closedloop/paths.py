@@ -21,9 +21,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["ROOTS_ENV", "PathOutsideRoot", "working_roots", "resolve_path", "is_inside"]
+__all__ = ["ROOTS_ENV", "PathOutsideRoot", "working_roots", "resolve_path", "is_inside", "allow_root"]
 
 ROOTS_ENV = "CLOSEDLOOP_WORKING_ROOTS"
+_ALLOWED: list[Path] = []  # roots a server added for this process (e.g. ``closedloop mcp serve --workdir``)
+
+
+def allow_root(path: str | os.PathLike[str]) -> Path:
+    """Add a working root for the rest of this process (a server's configured working directory)."""
+    root = Path(path).expanduser().resolve()
+    if root not in _ALLOWED:
+        _ALLOWED.append(root)
+    return root
 
 
 class PathOutsideRoot(ValueError):
@@ -31,10 +40,11 @@ class PathOutsideRoot(ValueError):
 
 
 def working_roots() -> list[Path]:
-    """The artifacts directory, the current directory and ``$CLOSEDLOOP_WORKING_ROOTS``, resolved."""
+    """The artifacts directory, the current directory, roots added with :func:`allow_root` and
+    ``$CLOSEDLOOP_WORKING_ROOTS``, resolved."""
     from closedloop.config import get_settings
 
-    candidates = [get_settings().artifacts_dir, Path.cwd()]
+    candidates = [get_settings().artifacts_dir, Path.cwd(), *_ALLOWED]
     candidates += [Path(p).expanduser() for p in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if p.strip()]
     roots: list[Path] = []
     for c in candidates:

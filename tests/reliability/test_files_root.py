@@ -95,3 +95,14 @@ async def test_every_path_reading_tool_is_confined(layout):
         assert not r.ok and "outside the working root" in r.error, (name, r.error)
         assert "not found" not in r.error
     assert os.path.exists(secret)
+
+
+def test_a_server_directory_can_be_allowed_for_the_process(layout, monkeypatch):
+    import closedloop.paths as paths
+
+    _, _, outside = layout
+    monkeypatch.setattr(paths, "_ALLOWED", [])
+    with pytest.raises(ArtifactError):
+        load_array(str(outside / "secret.npy"))
+    paths.allow_root(outside)  # what `closedloop mcp serve --workdir DIR` does
+    assert np.array_equal(load_array(str(outside / "secret.npy")), np.arange(3.0))
