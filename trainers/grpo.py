@@ -40,6 +40,7 @@ from pydantic import Field
 from closedloop.messages import Trajectory
 from closedloop.models.base import SamplingParams
 from closedloop.trainers.config import TrainConfig
+from closedloop.trainers.constrained import ConstraintSet, CostConstraint
 from closedloop.trainers.grpo_batch import RewardSpec, RolloutBatch, build_batch, load_reward_fn
 from closedloop.trainers.losses import LOSS_TYPES, entropy_from_logits, grpo_loss, importance_sampling_weights, \
     token_logprobs
@@ -103,6 +104,10 @@ class GRPOConfig(TrainConfig):
     save_steps: int | None = Field(None, ge=1, description="Checkpoint every this many steps (null: at the end).")
     logging_steps: int = Field(1, ge=1, description="Report metrics every this many steps.")
     max_length: int | None = Field(None, ge=2, description="Truncate each training sequence (null: keep all).")
+    constraints: list[CostConstraint] = Field(
+        default_factory=list, description="Cost budgets E[cost] <= budget (turns, tool_calls, completion_tokens, "
+                                          "latency_s, component:NAME, info:KEY, module:function), each enforced by a "
+                                          "Lagrange multiplier updated by dual ascent (trainers/constrained.py).")
 
     @property
     def sampling(self) -> SamplingParams:
@@ -210,6 +215,13 @@ def _nothing_to_train(batch: RolloutBatch, accel: Any) -> bool:
     return anyone == 0
 
 
+def _sum_over_processes(accel: Any) -> Callable[[list[float]], list[float]] | None:
+    if accel.num_processes == 1:
+        return None
+    return lambda xs: accel.reduce(torch.tensor(xs, dtype=torch.float64, device=accel.device),
+                                   reduction="sum").tolist()
+
+
 def make_env_factory(name: str, options: dict[str, Any]) -> EnvFactory:
     from closedloop.evals.envs import make_env
 
@@ -246,6 +258,9 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
         for p in ref_model.parameters():
             p.requires_grad_(False)
     spec = reward_spec(config)
+    constraints = ConstraintSet(config.constraints)
+    if constraints and session.start_step:
+        constraints.load(config.output_dir, session.start_step)  # λ as it was at the checkpoint
     policy_def = GraphPolicy(client, config.graph, config.sampling, dict(config.graph_options))
     rank = accel.process_index
     rng = random.Random(f"{config.seed}:{rank}")
@@ -276,8 +291,14 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
                                                     metadata={"step": step, "env": config.env}))
                 t_roll = time.perf_counter() - t0
                 pad = session.tokenizer.pad_token_id if session.tokenizer.pad_token_id is not None else 0
-                batch = build_batch(groups, spec, scale=config.scale_rewards, gamma=config.gamma,
-                                    turn_weight=config.turn_weight, max_length=config.max_length, pad_id=pad)
+                costs = constraints.annotate([e for g in groups for e in g.episodes]) if constraints else []
+                batch = build_batch(groups, constraints.reward_spec(spec) if constraints else spec,
+                                    scale=config.scale_rewards, gamma=config.gamma, turn_weight=config.turn_weight,
+                                    max_length=config.max_length, pad_id=pad)
+                if constraints:  # penalty R - Σλ·C is in the advantages; now the dual step on λ
+                    batch.stats.update(constraints.step(costs, batch.stats, reduce=_sum_over_processes(accel)))
+                    if session.is_main:
+                        constraints.save(config.output_dir, step + 1)
                 device = accel.device
                 batch = RolloutBatch(batch.input_ids.to(device), batch.attention_mask.to(device),
                                      batch.loss_mask.to(device), batch.old_logps.to(device),
