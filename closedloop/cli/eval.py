@@ -28,6 +28,12 @@ SCENARIO_USER = "scenario"
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="evaluate an agent on a benchmark (τ-bench)")
     bench = p.add_subparsers(dest="benchmark", required=True)
+    # Benchmarks from plugins: each entry point of ``closedloop.benchmarks`` is a ``register(bench)``.
+    from closedloop import plugins
+
+    for name in sorted(plugins.available("closedloop.benchmarks")):
+        if name != "tau":
+            plugins.load("closedloop.benchmarks", name)(bench)
     t = bench.add_parser("tau", help="τ²-bench (tau2-compatible): run, resume and export an evaluation",
                          description=__doc__.splitlines()[0])
     t.add_argument("--domain", default="retail")

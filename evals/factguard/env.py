@@ -38,6 +38,7 @@ __all__ = ["FactGuardEnv", "FactGuardOptions", "overview_image", "samples_for"]
 
 class FactGuardOptions(EnvOptions):
     data_dir: str
+    level: int = Field(1, ge=1, le=1, description="one level (the registry passes it to every environment)")
     dataset: str | None = None
     split: Literal["train", "test", "all"] = "train"
     test_fraction: float = Field(0.15, gt=0, lt=1)

@@ -218,3 +218,55 @@ def test_tiny_vlm_runs_the_graph_and_sees_the_video(data, tiny_vlm_path, tmp_pat
     out = asyncio.run(run())
     [turn] = out["turns"]
     assert [r.kind for r in turn.media] == ["image"] and turn.prompt_ids and turn.completion_ids
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+def reader(messages):
+    """A scripted agent that searches once, then answers from the report like the teacher."""
+    from closedloop.messages import ToolMessage as TM
+
+    tool_msgs = [m for m in messages if isinstance(m, TM)]
+    if not tool_msgs:
+        title = messages[-1].text.split("title: ", 1)[1].split(";", 1)[0]
+        return AssistantMessage(content="<think>search</think>", tool_calls=[ToolCall.make("factprobe", {"query": title})])
+    fake = f"false: {messages[1].text.split('title: ', 1)[1].split(';', 1)[0]}".lower() in tool_msgs[0].content.lower()
+    return AssistantMessage(content=f"<think>report</think><answer>{'fake' if fake else 'real'}</answer>")
+
+
+def test_evaluation_scores_records_and_survives_failures(data, tmp_path):
+    from closedloop.evals.factguard.evaluate import evaluate_factguard
+    from closedloop.store import RunStore
+
+    samples = load_samples(data)
+    store = RunStore(tmp_path / "runs.duckdb")
+    backend = LocalCorpus(data / "corpus.duckdb")
+    report = evaluate_factguard(samples, ScriptedClient(reader), backend, concurrency=3, store=store)
+    assert len(report.results) == len(samples) and report.tool_rate == 1.0
+    assert all(r.error is None and r.well_formed for r in report.results)
+    # The reader flags exactly the claims with a fact check in the corpus: precision is 1.
+    assert report.metrics.precision == 1.0 and report.metrics.fp == 0
+    runs = store.list_runs(kind="eval-episode")
+    assert len(runs) == len(samples)
+
+    def broken(messages):
+        raise RuntimeError("model exploded")
+
+    bad = evaluate_factguard(samples[:3], ScriptedClient(broken), backend, concurrency=2)
+    assert bad.metrics.unanswered == 3 and all("model exploded" in r.error for r in bad.results)
+    store.close()
+
+
+def test_cli_runs_the_synthetic_benchmark(tmp_path, tiny_vlm_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "closedloop", "eval", "factguard", "--data", str(tmp_path / "d"),
+                           "--synthetic", "8", "--split", "all", "--limit", "2", "--model", f"hf:{tiny_vlm_path}",
+                           "--max-tokens", "8", "--store", str(tmp_path / "s.duckdb"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["metrics"]["n"] == 2 and "accuracy" in proc.stdout
