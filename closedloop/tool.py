@@ -31,6 +31,7 @@ import inspect
 import json
 import math
 import os
+import queue
 import re
 import threading
 import time
@@ -343,7 +344,7 @@ class Tool:
                 pass
 
         ctx = contextvars.copy_context()  # as asyncio.to_thread: LangGraph's config and writers stay visible
-        threading.Thread(target=ctx.run, args=(work,), name=f"closedloop-tool-{self.name}", daemon=True).start()
+        _POOL.submit(lambda: ctx.run(work))
         try:
             return await (asyncio.wait_for(asyncio.shield(future), self.timeout_s) if self.timeout_s else future)
         except (asyncio.TimeoutError, asyncio.CancelledError):
@@ -431,6 +432,43 @@ class _StillRunning:
 
 
 _GLOBAL = _StillRunning()
+
+
+class _DaemonPool:
+    """Daemon worker threads for thread-isolated tools, reused while idle, one more whenever all
+    are busy. Unlike an executor's fixed pool, a call that never returns costs one thread and
+    never makes other calls wait; daemon threads never hold up interpreter exit (an executor's
+    workers are joined at exit). Idle workers end after ``idle_s``."""
+
+    def __init__(self, idle_s: float = 30.0) -> None:
+        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []
+        self._lock = threading.Lock()
+        self._idle_s = idle_s
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            q = self._idle.pop() if self._idle else None
+        if q is None:
+            q = queue.SimpleQueue()
+            threading.Thread(target=self._work, args=(q,), name="closedloop-tool", daemon=True).start()
+        q.put(job)
+
+    def _work(self, q: "queue.SimpleQueue[Callable[[], None]]") -> None:
+        while True:
+            try:
+                job = q.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if q in self._idle:  # not handed a job meanwhile: retire
+                        self._idle.remove(q)
+                        return
+                continue
+            job()
+            with self._lock:
+                self._idle.append(q)
+
+
+_POOL = _DaemonPool()
 
 
 def still_running() -> int:
