@@ -16,7 +16,8 @@ working set would exceed the tool's memory ceiling. A result that is not valid J
 ``Infinity``) never reaches the model.
 
 Where a call runs (``isolation``): ``"inline"`` awaits an async tool on the event loop (a timeout
-cancels it); ``"thread"`` runs a sync tool on its own daemon thread, so a call that times out can
+cancels it); ``"thread"`` runs a sync tool on a daemon worker thread (reused when idle, one more
+when all are busy, never an executor's fixed pool), so a call that times out can
 neither starve other tools nor keep the process from exiting, and it is counted as still running
 until it ends (a tool with too many such calls is refused until they finish: a thread cannot be
 stopped); ``"process"`` runs it in :mod:`closedloop.sandbox` (fresh interpreter, rlimits, memory
@@ -309,7 +310,7 @@ class Tool:
         return result(content, value=value)
 
     async def _call_in_thread(self, kwargs: dict[str, Any]) -> Any:
-        """Run on a fresh daemon thread. A timeout abandons the thread (it cannot be stopped) and
+        """Run on a daemon worker thread. A timeout abandons the thread (it cannot be stopped) and
         counts it as still running until it ends; the pool other tools use is never touched."""
         with self._running_lock:
             if self._still_running >= MAX_STILL_RUNNING:
