@@ -342,6 +342,18 @@ def route_after_tools(max_turns: int | None = None, model: str = "model") -> Cal
     return route
 
 
+def as_async(route: Callable[[Any], str]) -> Callable[[Any], Any]:
+    """An async twin of a routing function. LangGraph runs a sync branch function of an async run
+    on a thread pool (one thread hop per super-step, most of the framework's per-step cost on a busy
+    machine); an async one runs on the event loop."""
+
+    async def aroute(state: Any) -> str:
+        return route(state)
+
+    aroute.__name__ = getattr(route, "__name__", "route")
+    return aroute
+
+
 def wire_tool_loop(graph: Any, tools: ToolRegistry, *, approve: bool | Collection[str] = False,
                    max_turns: int | None = None, execute_tools: bool = True, model: str = "model") -> None:
     """Wire ``model ⇄ tools`` into a ``StateGraph`` that already has the ``model`` node.
@@ -351,12 +363,12 @@ def wire_tool_loop(graph: Any, tools: ToolRegistry, *, approve: bool | Collectio
     """
     if execute_tools:
         graph.add_node("tools", make_tool_node(tools, approve=approve))
-        graph.add_conditional_edges(model, route_after_model(), {"tools": "tools", END: END})
-        graph.add_conditional_edges("tools", route_after_tools(max_turns, model), {model: model, END: END})
+        graph.add_conditional_edges(model, as_async(route_after_model()), {"tools": "tools", END: END})
+        graph.add_conditional_edges("tools", as_async(route_after_tools(max_turns, model)), {model: model, END: END})
     else:
         graph.add_edge(model, END)
 
 
 __all__ = ["SAMPLING_SEED", "make_model_node", "run_params", "make_tool_node", "route_after_model",
            "route_after_tools", "model_calls_this_invocation", "approval_request", "parse_decisions",
-           "stream_turn_with_callbacks", "wire_tool_loop"]
+           "stream_turn_with_callbacks", "wire_tool_loop", "as_async"]
