@@ -104,10 +104,32 @@ def _content_to_langchain(content: Any) -> Any:
 # --------------------------------------------------------------------------- one message
 
 
+_CACHE: dict[int, tuple[BaseMessage, _Message]] = {}
+_CACHE_SIZE = 4096
+
+
 def to_closedloop(message: Any) -> _Message:
-    """One message in our form (raises ``TypeError``/``ValueError`` with the reason when it cannot be)."""
+    """One message in our form (raises ``TypeError``/``ValueError`` with the reason when it cannot be).
+
+    Conversions of LangChain messages are remembered (by object, for the last few thousand), since
+    a LangChain-form thread is converted again at every model call; messages in a graph's state are
+    not mutated in place (LangGraph replaces them by id), so a remembered conversion stays right.
+    """
     if isinstance(message, _Message):
         return message
+    if isinstance(message, BaseMessage):
+        hit = _CACHE.get(id(message))
+        if hit is not None and hit[0] is message:
+            return hit[1]
+        converted = _to_closedloop(message)
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[id(message)] = (message, converted)
+        return converted
+    return _to_closedloop(message)
+
+
+def _to_closedloop(message: Any) -> _Message:
     if isinstance(message, dict):
         if "role" in message:
             return parse_messages([{k: v for k, v in message.items() if k != "id"}])[0]
