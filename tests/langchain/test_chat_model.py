@@ -100,3 +100,16 @@ async def test_prebuilt_agent_messages_stream_and_one_sft_step(tiny_model_path, 
     result = train_sft(cfg, [traj])
     assert result.step == 1 and result.n_train == 1 and result.metrics
     del state
+
+
+def test_sync_invoke_and_stream_outside_and_inside_an_event_loop():
+    import asyncio
+
+    llm = ClosedloopChatModel.from_client(ScriptedClient([AssistantMessage(content="hi there")], cycle=True))
+    assert llm.invoke("hello").content == "hi there"
+    assert "".join(c.content for c in llm.stream("hello")) == "hi there"
+
+    async def inside():  # a sync call from code that already runs a loop (a sync LangGraph node, a notebook)
+        return llm.invoke("hello").content
+
+    assert asyncio.run(inside()) == "hi there"
