@@ -23,6 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="enable the admin endpoint POST /closedloop/v1/load_weights, which reloads the served "
                         "hf:/vllm: model's weights from a directory on this machine (for a trainer pushing its "
                         "weights; off by default: keep such a server on a loopback address)")
+    p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
+                   help="largest request body accepted (413 above it; default 8 MiB)")
+    p.add_argument("--max-tokens-cap", type=int, default=32768,
+                   help="largest max_tokens a request may ask for (400 above it, as OpenAI)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=handle)
 
@@ -71,8 +75,13 @@ def handle(args: argparse.Namespace) -> int:
             print(f"warning: --allow-weight-updates on {args.host}: anyone who can reach this address can replace "
                   "the model's weights and make the server read local directories", file=sys.stderr)
     client = make_client(spec, **kwargs)
+    if args.max_request_bytes < 1 or not 1 <= args.max_tokens <= args.max_tokens_cap:
+        print("error: --max-request-bytes must be >= 1 and --max-tokens between 1 and --max-tokens-cap",
+              file=sys.stderr)
+        return 2
     app = create_app(client, args.served_name or spec.model, default_max_tokens=args.max_tokens,
-                     allow_weight_updates=args.allow_weight_updates)
+                     allow_weight_updates=args.allow_weight_updates, max_request_bytes=args.max_request_bytes,
+                     max_tokens_cap=args.max_tokens_cap)
     print(f"serving {spec} as {args.served_name or spec.model!r} on http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -23,8 +23,8 @@ ToolChoice = Union[Literal["auto", "none", "required"], dict[str, Any]]
 class SamplingParams(BaseModel):
     """Sampling settings shared by all backends (OpenAI names)."""
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)  # an infinite temperature is not a setting
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     max_tokens: int = Field(256, ge=1)
     stop: list[str] | None = None
     seed: int | None = None

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+import secrets
+from typing import Any, Collection
 
 from closedloop.messages import (AssistantMessage, SystemMessage, ToolCall, ToolMessage, UserMessage, _Message,
                                  content_text)
@@ -127,8 +128,13 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     return None, text
 
 
-def parse_completion(text: str, end_markers: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")) -> AssistantMessage:
-    """Raw completion text (markup included) -> an :class:`AssistantMessage`; never raises."""
+def parse_completion(text: str, end_markers: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>"),
+                     tool_names: Collection[str] | None = None) -> AssistantMessage:
+    """Raw completion text (markup included) -> an :class:`AssistantMessage`; never raises.
+
+    ``tool_names``: when given, only calls naming one of these become tool calls; a block naming
+    any other tool stays in the content as the text the model wrote (the server's rule: a reply
+    may only call a tool the request offered)."""
     for marker in end_markers:
         idx = text.find(marker)
         if idx != -1:
@@ -139,8 +145,8 @@ def parse_completion(text: str, end_markers: tuple[str, ...] = ("<|im_end|>", "<
     pos = 0
     for m in _TOOL_CALL_RE.finditer(rest):
         call = _parse_call(m.group(1))
-        if call is None:
-            continue  # no name at all: leave the block in the content, it is all we have
+        if call is None or (tool_names is not None and call.function.name not in tool_names):
+            continue  # no name at all, or a tool not offered: leave the block in the content as text
         kept.append(rest[pos:m.start()])
         pos = m.end()
         calls.append(call)
@@ -149,14 +155,125 @@ def parse_completion(text: str, end_markers: tuple[str, ...] = ("<|im_end|>", "<
     return AssistantMessage(content=content or None, tool_calls=calls or None, reasoning=reasoning)
 
 
+# --------------------------------------------------------------------------- prompts: content is text, never control
+
+
+def control_strings(tokenizer: Any) -> tuple[str, ...]:
+    """Every string the tokenizer turns into one control token: its added tokens (special or not:
+    ``<|im_end|>``, ``<|im_start|>``, and Qwen's ``<tool_call>``/``<tool_response>``, which are
+    added but not "special") and its special tokens. Longest first, so a regex prefers the longest."""
+    cached = getattr(tokenizer, "_closedloop_control_strings", None)
+    if cached is not None:
+        return cached
+    found: set[str] = set()
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    for tok in decoder.values():
+        found.add(str(getattr(tok, "content", tok)))
+    found.update(str(t) for t in (getattr(tokenizer, "all_special_tokens", None) or []))
+    strings = tuple(sorted((s for s in found if s), key=lambda s: (-len(s), s)))
+    try:
+        tokenizer._closedloop_control_strings = strings
+    except Exception:  # noqa: BLE001 - a tokenizer that refuses attributes just recomputes
+        pass
+    return strings
+
+
+def control_ids(tokenizer: Any) -> set[int]:
+    """The ids of :func:`control_strings` (what content must never tokenise to)."""
+    ids = {int(i) for i in (getattr(tokenizer, "added_tokens_decoder", None) or {})}
+    ids.update(int(i) for i in (getattr(tokenizer, "all_special_ids", None) or []))
+    return ids
+
+
+class _Escaper:
+    """Replaces control strings found in content by placeholders that no caller can type (a random
+    nonce per prompt), so the chat template renders them as ordinary text positions; the
+    placeholders are tokenised afterwards as plain text (:func:`plain_text_ids`)."""
+
+    def __init__(self, markers: tuple[str, ...]) -> None:
+        self.nonce = secrets.token_hex(8)
+        self.pattern = re.compile("|".join(re.escape(m) for m in markers)) if markers else None
+        self.found: list[str] = []
+
+    def text(self, s: str) -> str:
+        if self.pattern is None or self.pattern.search(s) is None:
+            return s
+
+        def sub(m: re.Match) -> str:
+            self.found.append(m.group(0))
+            return f"CLESC{self.nonce}N{len(self.found) - 1}Z"
+
+        return self.pattern.sub(sub, s)
+
+    def value(self, v: Any, key: str | None = None) -> Any:
+        if isinstance(v, str):
+            return v if key in ("role", "type") else self.text(v)
+        if isinstance(v, dict):
+            return {(self.text(k) if isinstance(k, str) else k): self.value(x, k) for k, x in v.items()}
+        if isinstance(v, list):
+            return [self.value(x) for x in v]
+        return v
+
+    def split(self, rendered: str) -> list[tuple[bool, str]]:
+        """``(is_content_marker, text)`` pieces of the rendered prompt, in order."""
+        pieces: list[tuple[bool, str]] = []
+        pos = 0
+        for m in re.finditer(rf"CLESC{self.nonce}N(\d+)Z", rendered):
+            if m.start() > pos:
+                pieces.append((False, rendered[pos:m.start()]))
+            pieces.append((True, self.found[int(m.group(1))]))
+            pos = m.end()
+        if pos < len(rendered):
+            pieces.append((False, rendered[pos:]))
+        return pieces
+
+
+def plain_text_ids(tokenizer: Any, text: str, forbidden: set[int] | None = None) -> list[int]:
+    """``text`` tokenised as plain text: no id in ``forbidden`` (default: :func:`control_ids`).
+
+    ``split_special_tokens`` stops special tokens from matching but not the tokenizer's other added
+    tokens (Qwen's ``<tool_call>``), so a piece that still yields one is split in two and each half
+    tokenised alone, down to single characters.
+    """
+    forbidden = control_ids(tokenizer) if forbidden is None else forbidden
+    ids = [int(i) for i in tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)]
+    if len(text) <= 1 or not any(i in forbidden for i in ids):
+        return ids
+    mid = len(text) // 2
+    return plain_text_ids(tokenizer, text[:mid], forbidden) + plain_text_ids(tokenizer, text[mid:], forbidden)
+
+
 def encode_prompt(tokenizer: Any, messages: list, tools: list[dict[str, Any]] | None = None,
                   tool_choice: Any = None) -> list[int]:
-    """The exact prompt token ids a local model sees (chat template, shown tools, generation prompt)."""
-    ids = tokenizer.apply_chat_template(render_messages(messages), tools=select_tools(tools, tool_choice),
-                                        add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    """The exact prompt token ids a local model sees (chat template, shown tools, generation prompt).
+
+    Text that the caller, a user or a tool wrote (message content, tool results, tool-call names
+    and arguments, tool schemas) is always tokenised as plain text: a ``<|im_end|>`` or
+    ``<|im_start|>system`` typed into it can never become a control token and forge a turn. Only the
+    template's own markup gives control tokens. Prompts without such text are tokenised exactly as
+    ``apply_chat_template(tokenize=True)`` does; with it, the template is rendered with a placeholder
+    at each occurrence, the markup around is tokenised normally and each occurrence as plain text
+    (what mistral-common and tiktoken's ``disallowed_special`` do by construction).
+    """
+    rendered = render_messages(messages)
+    shown = select_tools(tools, tool_choice)
+    escaper = _Escaper(control_strings(tokenizer))
+    rendered = escaper.value(rendered)
+    shown = escaper.value(shown) if shown is not None else None
+    if not escaper.found:
+        ids = tokenizer.apply_chat_template(rendered, tools=shown, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    text = tokenizer.apply_chat_template(rendered, tools=shown, add_generation_prompt=True, tokenize=False)
+    forbidden = control_ids(tokenizer)
+    out: list[int] = []
+    for is_content, piece in escaper.split(text):
+        if is_content:
+            out.extend(plain_text_ids(tokenizer, piece, forbidden))
+        else:
+            out.extend(int(i) for i in tokenizer.encode(piece, add_special_tokens=False))
+    return out
 
 
 def decode_ids(tokenizer: Any, ids: list[int]) -> str:

@@ -23,11 +23,25 @@ a trainer that samples from its live policy (:meth:`HFClient.from_model`) puts t
 same module.) To keep generation off the weights while they change, the trainer holds
 :meth:`HFClient.paused` around its optimizer step (or mode switch): a running batch finishes
 first, no batch starts inside the block, and requests submitted meanwhile run after it.
+
+Hostile or careless requests (see ``tests/reliability/``):
+
+* Sampling settings are made safe per request, as vLLM does: a temperature in ``(0, 0.01)`` is
+  raised to 0.01 (vLLM's ``_MAX_TEMP``: dividing logits by less overflows), and the recorded
+  ``logprob_spec`` says 0.01, the distribution actually sampled; top-p is applied in float64 and
+  always keeps the most likely token (a ``top_p`` of 1e-300 is greedy, not an empty set). A row
+  whose logits are not finite fails alone; its batch-mates finish normally.
+* Prompts are rendered and tokenised on a small tokenizer pool, never on the decode worker, so a
+  huge prompt delays only itself (a GRPO group's identical prompts are tokenised once).
+* A request whose caller goes away (its future cancelled: a streaming client disconnected) leaves
+  the running batch at the next step (its row is dropped from the batch and the KV cache);
+  :attr:`HFClient.cancelled_rows` counts them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
 import json
@@ -51,6 +65,36 @@ from closedloop.models.multimodal import require_text_only
 log = logging.getLogger("closedloop.models.hf")
 
 
+#: The smallest non-zero temperature sampled with (vLLM's ``_MAX_TEMP``); smaller ones are raised to it.
+MIN_TEMPERATURE = 1e-2
+#: Prompts whose text is at most this many characters are keyed for sharing one tokenisation.
+_SHARE_PROMPT_CHARS = 1 << 16
+
+
+def safe_params(params: SamplingParams) -> SamplingParams:
+    """``params`` as sampled: a temperature in ``(0, MIN_TEMPERATURE)`` raised to ``MIN_TEMPERATURE``
+    (as vLLM's ``SamplingParams``), so one request's 1e-300 cannot overflow the batch's logits."""
+    if 0 < params.temperature < MIN_TEMPERATURE:
+        log.info("temperature %g raised to %g (smaller values overflow the logits)", params.temperature,
+                 MIN_TEMPERATURE)
+        return params.model_copy(update={"temperature": MIN_TEMPERATURE})
+    return params
+
+
+def _prompt_chars(messages: list[_Message]) -> int:
+    """About how much text the messages hold (content and tool-call arguments), without copying it."""
+    total = 0
+    for m in messages:
+        content = getattr(m, "content", None)
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(str(getattr(p, "text", "") or "")) + 64 for p in content)
+        for call in getattr(m, "tool_calls", None) or []:
+            total += len(call.function.arguments or "") + len(call.function.name)
+    return total
+
+
 def hf_logprob_spec(params: SamplingParams) -> LogprobSpec:
     """What ``hf:`` records for a request: tempered logprobs; greedy reads the plain softmax, so
     greedy turns record ``temperature=1.0, top_p=1.0``."""
@@ -69,6 +113,11 @@ class _Request:
     future: asyncio.Future
     on_delta: Callable[[str], None] | None = None
     submitted: float = field(default_factory=time.perf_counter)
+    # Encoded before the request reaches the decode worker (on the tokenizer pool).
+    encoded: tuple[list[int], dict[str, Any] | None, list[MediaRef]] | None = None
+    max_new: int = 0
+    #: Set (on the caller's loop) when the caller gave up; the decode loop then drops the row.
+    cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -87,6 +136,7 @@ class _Row:
     finish: str | None = None
     extras: dict[str, Any] | None = None  # model inputs beside the ids (a VLM's pixel_values ...)
     media: list[MediaRef] = field(default_factory=list)
+    error: BaseException | None = None
 
 
 class HFClient(ModelClient):
@@ -118,6 +168,16 @@ class HFClient(ModelClient):
         #: Held for the whole of every device batch; a trainer holds it while it changes the weights.
         self.weights_lock: threading.RLock = self._batcher.lock
         self._warned_training = False
+        #: Rows whose caller went away mid-decode and were dropped (e.g. a disconnected stream).
+        self.cancelled_rows = 0
+        # Tokenisation runs here, off the decode worker: a huge prompt must not stall every batch.
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2,
+                                                                     thread_name_prefix="closedloop-hf-tokenize")
+        self._prompt_lock = threading.RLock()  # re-entrant: a done job runs its callback at once
+        self._prompts_in_flight: dict[str, concurrent.futures.Future] = {}
+        # Byte-level BPE vocab entries hold one character per byte, so none decodes to more characters.
+        # x4: headroom for normalisers that fold several input characters into one (NFKC combining marks).
+        self._max_token_chars = 4 * (max((len(t) for t in tokenizer.get_vocab()), default=1) or 1)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
         self._eos_ids = self._stop_token_ids()
@@ -202,6 +262,7 @@ class HFClient(ModelClient):
         task = asyncio.ensure_future(self._submit(messages, tools, params, tool_choice,
                                                   on_delta=lambda s: loop.call_soon_threadsafe(deltas.put_nowait, s)))
         sent = ""
+        getter: asyncio.Future | None = None
         try:
             while not task.done():
                 getter = asyncio.ensure_future(deltas.get())
@@ -222,8 +283,10 @@ class HFClient(ModelClient):
                 yield TextDelta(final[len(sent):])
             yield TurnDone(turn)
         finally:
+            if getter is not None and not getter.done():
+                getter.cancel()
             if not task.done():
-                task.cancel()
+                task.cancel()  # the caller went away: the row leaves its batch at the next step
 
     async def batch(self, requests: list[GenerateRequest]) -> list[Turn]:
         return list(await asyncio.gather(*(self._submit(r.messages, r.tools, r.params, r.tool_choice)
@@ -245,7 +308,7 @@ class HFClient(ModelClient):
     def batch_stats(self) -> dict[str, Any]:
         sizes = self.batch_sizes
         return {"batches": len(sizes), "requests": sum(sizes), "max_batch": max(sizes, default=0),
-                "histogram": dict(sorted(Counter(sizes).items()))}
+                "histogram": dict(sorted(Counter(sizes).items())), "cancelled_rows": self.cancelled_rows}
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -260,16 +323,58 @@ class HFClient(ModelClient):
 
     async def aclose(self) -> None:
         await self._batcher.close()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ queue and worker
 
-    def _submit(self, messages, tools, params, tool_choice, on_delta=None) -> asyncio.Future:
+    async def _encode_off_worker(self, req: _Request) -> tuple[list[int], dict[str, Any] | None, list[MediaRef]]:
+        """``_encode_request(req)`` on the tokenizer pool, never on the decode worker. Identical
+        small prompts in flight together (a GRPO group) share one encoding, so they still reach
+        the queue together and land in one batch."""
+        key = None
+        if _prompt_chars(req.messages) <= _SHARE_PROMPT_CHARS:
+            key = json.dumps([[m.model_dump_json() for m in req.messages], req.tools, req.tool_choice], default=str)
+        with self._prompt_lock:
+            job = self._prompts_in_flight.get(key) if key is not None else None
+            if job is None:
+                job = self._tokenizer_pool.submit(self._encode_request, req)
+                if key is not None:
+                    self._prompts_in_flight[key] = job
+
+                    def forget(_: concurrent.futures.Future, key: str = key) -> None:
+                        with self._prompt_lock:
+                            self._prompts_in_flight.pop(key, None)
+
+                    job.add_done_callback(forget)
+        # shield: one caller giving up must not cancel the encoding its twins wait for
+        ids, extras, media = await asyncio.shield(asyncio.wrap_future(job))
+        return list(ids), extras, list(media)
+
+    async def _submit(self, messages, tools, params, tool_choice, on_delta=None) -> Turn:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        # Prompts are encoded in the worker, so concurrent callers enqueue at once and land in
-        # the same batch instead of trickling in behind each other's tokenisation.
-        self._batcher.put(_Request(list(messages), tools, params or SamplingParams(), tool_choice, loop, fut, on_delta))
-        return fut
+        req = _Request(list(messages), tools, safe_params(params or SamplingParams()), tool_choice, loop, fut,
+                       on_delta)
+        limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        chars = _prompt_chars(req.messages)
+        if limit and chars > limit * self._max_token_chars:
+            # Certain to overflow (no token covers more characters than the longest vocabulary entry):
+            # refuse before spending a minute and hundreds of MB tokenising megabytes of text.
+            raise ContextLengthExceededError(
+                f"prompt of {chars} characters is at least {chars // self._max_token_chars} tokens, more than the "
+                f"model's {limit}-token context", prompt_tokens=chars // self._max_token_chars, limit=limit)
+        req.encoded = await self._encode_off_worker(req)
+        prompt = req.encoded[0]
+        req.max_new = req.params.max_tokens
+        if limit:
+            req.max_new = min(req.max_new, limit - len(prompt))
+            if req.max_new < 1:
+                raise ContextLengthExceededError(
+                    f"prompt of {len(prompt)} tokens leaves no room in the model's {limit}-token context",
+                    prompt_tokens=len(prompt), limit=limit)
+        fut.add_done_callback(lambda f: req.cancelled.set() if f.cancelled() else None)
+        self._batcher.put(req)
+        return await fut
 
     @staticmethod
     def _resolve(req: _Request, result: Turn | None = None, error: BaseException | None = None) -> None:
@@ -279,26 +384,14 @@ class HFClient(ModelClient):
         import torch
 
         rows: list[_Row] = []
-        limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        # A GRPO group sends one prompt G times: render it once.
-        prompts: dict[str, tuple[list[int], dict[str, Any] | None, list[MediaRef]]] = {}
         for req in reqs:
             try:
-                key = json.dumps([[m.model_dump_json() for m in req.messages], req.tools, req.tool_choice],
-                                 default=str)
-                if key not in prompts:
-                    prompts[key] = self._encode_request(req)
-                prompt, extras, media = list(prompts[key][0]), prompts[key][1], prompts[key][2]
-                max_new = req.params.max_tokens
-                if limit:
-                    max_new = min(max_new, limit - len(prompt))
-                    if max_new < 1:
-                        raise ContextLengthExceededError(
-                            f"prompt of {len(prompt)} tokens leaves no room in the model's {limit}-token context",
-                            prompt_tokens=len(prompt), limit=limit)
+                assert req.encoded is not None, "requests are encoded before they are queued"
+                prompt, extras, media = req.encoded
                 seed = req.params.seed if req.params.seed is not None else secrets.randbits(63)
-                rows.append(_Row(req, prompt, max_new, torch.Generator().manual_seed(seed), extras=extras,
-                                 media=media))
+                # torch takes seeds in [-2**63, 2**64); a negative one as its 64-bit two's complement
+                generator = torch.Generator().manual_seed(seed % (1 << 64))
+                rows.append(_Row(req, list(prompt), req.max_new, generator, extras=extras, media=media))
             except Exception as e:  # a bad request fails alone, not its batch-mates
                 self._resolve(req, error=e)
         if not rows:
@@ -317,6 +410,11 @@ class HFClient(ModelClient):
                 self._resolve(row.req, error=ModelError(f"generation failed: {type(e).__name__}: {e}"))
             return
         for row in rows:
+            if row.finish == "cancelled":
+                continue  # nobody is waiting
+            if row.error is not None:
+                self._resolve(row.req, error=row.error)
+                continue
             try:
                 self._resolve(row.req, self._finish_turn(row))
             except Exception as e:
@@ -352,14 +450,15 @@ class HFClient(ModelClient):
         params = [r.req.params for r in rows]
         greedy = torch.tensor([p.temperature == 0 for p in params])
         temps = torch.tensor([[1.0 if p.temperature == 0 else float(p.temperature)] for p in params])
-        top_p = torch.tensor([[1.0 if p.temperature == 0 else float(p.top_p)] for p in params])
+        # float64: a top_p of 1e-300 is 0 in float32 (an empty nucleus); the draw keeps the top token
+        top_p = torch.tensor([[1.0 if p.temperature == 0 else float(p.top_p)] for p in params], dtype=torch.float64)
         any_top_p = bool((top_p < 1.0).any())
         any_greedy, all_greedy = bool(greedy.any()), bool(greedy.all())
         uniforms = torch.stack([torch.zeros(steps, dtype=torch.float64) if p.temperature == 0 else
                                 torch.rand(steps, generator=r.generator, dtype=torch.float64)
                                 for p, r in zip(params, rows)])
         max_new = torch.tensor([r.max_new for r in rows])
-        eos = torch.tensor(sorted(self._eos_ids))
+        eos = torch.tensor(sorted(self._eos_ids), dtype=torch.long)
         texty = [i for i, r in enumerate(rows) if r.req.on_delta is not None or r.req.params.stop]
         out_ids = torch.full((n, steps), pad, dtype=torch.long)
         out_lp = torch.zeros((n, steps), dtype=torch.float32)
@@ -374,9 +473,37 @@ class HFClient(ModelClient):
                          logits_to_keep=1, **self._prefill_inputs(rows, device), **{self._cache_kw: cache})
         next_pos = positions[:, -1:] + 1
         ones = torch.ones((n, 1), dtype=attn.dtype, device=device)
+        last = out.logits[:, -1, :]
         for t in range(steps):
-            logits = out.logits[:, -1, :].float().cpu()
+            gone = [i for i, r in enumerate(rows) if r.req.cancelled.is_set() and not bool(done[i])]
+            if gone:  # callers that went away: their rows leave the batch (and its KV cache) now
+                for i in gone:
+                    rows[i].finish = "cancelled"
+                    self.cancelled_rows += 1
+                keep_list = [i for i in range(len(rows)) if i not in set(gone)]
+                if not keep_list:
+                    break
+                keep = torch.tensor(keep_list, dtype=torch.long)
+                rows = [rows[i] for i in keep_list]
+                greedy, temps, top_p, uniforms, max_new = greedy[keep], temps[keep], top_p[keep], uniforms[keep], \
+                    max_new[keep]
+                out_ids, out_lp, done, lengths = out_ids[keep], out_lp[keep], done[keep], lengths[keep]
+                on_device = keep.to(device)
+                cache.batch_select_indices(on_device)
+                last, attn, next_pos, ones = last[on_device], attn[on_device], next_pos[on_device], ones[on_device]
+                texty = [i for i, r in enumerate(rows) if r.req.on_delta is not None or r.req.params.stop]
+            if bool(done.all()):
+                break
+            logits = last.float().cpu()
             logp = torch.log_softmax(logits / temps, dim=-1)
+            # A row whose logits are not finite fails alone; its batch-mates go on.
+            broken = ~done & torch.isnan(logp).any(-1)
+            if bool(broken.any()):
+                for i in broken.nonzero()[:, 0].tolist():
+                    rows[i].error = ModelError(f"the model produced non-finite logits at step {t} of this request")
+                    rows[i].finish = "error"
+                done = done | broken
+                logp = torch.where(broken[:, None], torch.zeros_like(logp), logp)
             if all_greedy:
                 tokens = logits.argmax(-1)
             else:
@@ -402,6 +529,7 @@ class HFClient(ModelClient):
             attn = torch.cat([attn, ones], dim=1)
             out = self.model(input_ids=tokens.to(device).unsqueeze(1), attention_mask=attn, position_ids=next_pos,
                              use_cache=True, **{self._cache_kw: cache})
+            last = out.logits[:, -1, :]
             next_pos = next_pos + 1
         ids_list, lp_list, len_list = out_ids.tolist(), out_lp.tolist(), lengths.tolist()
         for i, r in enumerate(rows):
@@ -418,6 +546,7 @@ class HFClient(ModelClient):
         if top_p is not None:
             sorted_p, order = torch.sort(probs, dim=-1, descending=True)
             keep = (torch.cumsum(sorted_p, -1) - sorted_p) < top_p.double()  # smallest set reaching top_p
+            keep[:, 0] = True  # the most likely token always stays (as vLLM): a tiny top_p is greedy
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_p * keep)
         cdf = torch.cumsum(probs, -1)
         x = u[:, None] * cdf[:, -1:]

@@ -1,7 +1,12 @@
 """``vllm:`` backend: vLLM's offline engine in-process, token-exact like ``hf:``.
 
 Prompts are rendered and tokenised here with the checkpoint's chat template and handed to vLLM as
-token ids, so ``Turn.prompt_ids`` is exactly what the engine saw. The completion text is decoded
+token ids, so ``Turn.prompt_ids`` is exactly what the engine saw. As for ``hf:``, text inside the
+conversation is tokenised as plain text (:func:`closedloop.models.chat_format.encode_prompt`): a
+``<|im_end|>`` typed by a user or returned by a tool never becomes a control token; tokenising
+runs on a thread, off the event loop. A request whose caller goes away before its batch starts is
+dropped; one already inside vLLM's ``generate`` call runs to its end (the offline engine has no
+per-request abort). The completion text is decoded
 here from the returned ids (special tokens kept), so ``decode(completion_ids) == completion_text``
 as for ``hf:``. Requests arriving within ``batch_wait_ms`` go to the engine in one ``generate``
 call, where vLLM batches them continuously; the engine is not thread-safe, so one worker thread
@@ -194,9 +199,10 @@ class VLLMClient(ModelClient):
     async def generate(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
                        params: SamplingParams | None = None, tool_choice: ToolChoice | None = None) -> Turn:
         loop = asyncio.get_running_loop()
+        # Tokenised on a thread: a huge prompt must not stall the event loop (or the engine's worker).
+        prompt = await asyncio.to_thread(self.encode_prompt, messages, tools, tool_choice)
         fut = loop.create_future()
-        self._batcher.put(_Pending(self.encode_prompt(messages, tools, tool_choice), params or SamplingParams(),
-                                   loop, fut))
+        self._batcher.put(_Pending(prompt, params or SamplingParams(), loop, fut))
         return await fut
 
     async def batch(self, requests: list[GenerateRequest]) -> list[Turn]:

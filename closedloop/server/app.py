@@ -26,6 +26,27 @@ Known limits, stated rather than hidden:
   arrive complete, one delta each, after the text.
 * ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` are accepted and ignored.
 
+Hostile input (``tests/reliability/test_server_*.py``): every malformed body is a 4xx in OpenAI's
+error shape, never a 500.
+
+* Size: a body over ``max_request_bytes`` (``closedloop serve --max-request-bytes``, default 8 MiB)
+  is refused with 413 ``request_too_large`` before it is read whole (the ``Content-Length`` is
+  checked first, a chunked body as it arrives). Large bodies are parsed off the event loop and
+  the hf: backend tokenises off its decode worker, so a big request delays only itself.
+* JSON: nesting deeper than ``MAX_JSON_DEPTH`` (64), a lone UTF-16 surrogate (``"\\ud800"``),
+  ``NaN``/``Infinity`` and numbers that overflow (``1e400``) are 400 ``invalid_json``/``invalid_value``.
+* ``max_tokens`` (or ``max_completion_tokens``) above ``max_tokens_cap`` (``--max-tokens-cap``,
+  default 32768) is a 400 naming the cap, as OpenAI answers; it is not clamped silently.
+* Tools: names must match ``^[a-zA-Z0-9_-]{1,64}$`` and be unique, ``parameters`` must be a valid
+  JSON Schema of type object (OpenAI's rules), else 400. A reply may only call a tool the request
+  offered: a ``<tool_call>`` naming any other tool (or any tool under ``tool_choice="none"``) is
+  returned as the text the model wrote, in ``content``, not as a call.
+* ``finish_reason`` is ``"length"`` whenever the token limit cut the reply, also when it cut a
+  tool call: the call is returned as generated (its arguments usually invalid JSON), as OpenAI does;
+  ``"tool_calls"`` means every call was completed.
+* A client that disconnects (streaming or not) cancels its generation: the hf: backend drops the
+  row from the running batch (``/health`` reports ``cancelled_rows``).
+
 Admin endpoints (closedloop-specific, for a trainer whose rollouts come from this server):
 
 * ``GET /closedloop/v1/weights`` reports whether weight updates are allowed and the last load.
@@ -41,19 +62,24 @@ Admin endpoints (closedloop-specific, for a trainer whose rollouts come from thi
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import ctypes.util
 import json
 import logging
+import math
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from closedloop.messages import Turn, _Message, content_text
+from closedloop.messages import AssistantMessage, Turn, _Message, content_text
 from closedloop.models.base import (ContextLengthExceededError, ModelClient, ModelError, ModelUnavailableError, SamplingParams,
                                     TextDelta, TurnDone)
 from closedloop.server.schemas import (ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs,
@@ -67,12 +93,25 @@ log = logging.getLogger("closedloop.server")
 # the text so far could be the start of one of these.
 _MARKERS = ("<tool_call>", "<think>", "<|im_end|>", "<|endoftext|>")
 
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_TOKENS_CAP = 32768
+#: Deepest JSON nesting a request may have (OpenAI bodies need a handful; tool schemas a few more).
+MAX_JSON_DEPTH = 64
+#: Bodies at least this large are parsed on a thread, not on the event loop.
+_BIG_BODY = 1 << 20
+# As \uD800-\uDFFF escapes, or as raw bytes (json.loads decodes bytes with "surrogatepass").
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
 
 class APIError(Exception):
     """An error the client sees as OpenAI's ``{"error": {...}}`` body."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:
+        # A message may quote the caller's input; what cannot be encoded (lone surrogates) is escaped.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8") if param else param
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -124,9 +163,120 @@ def _model_failure(e: Exception) -> APIError:
 
 
 def _finish_reason(turn: Turn) -> str:
-    if turn.message.tool_calls:
-        return "tool_calls"
-    return "length" if turn.finish_reason == "length" else "stop"
+    # The token limit wins: a call it cut off is not a completed call (OpenAI also says "length").
+    if turn.finish_reason == "length":
+        return "length"
+    return "tool_calls" if turn.message.tool_calls else "stop"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _check_json(body: Any, raw: bytes) -> None:
+    """Raise :class:`APIError` 400 for what ``json.loads`` accepts but a request must not hold:
+    nesting deeper than :data:`MAX_JSON_DEPTH`, lone UTF-16 surrogates (they cannot be encoded, so
+    they would fail deep inside a backend), non-finite numbers (``1e400`` parses to infinity)."""
+    check_strings = _SURROGATE_ESCAPE.search(raw) is not None  # neither escapes nor bytes: no surrogate anywhere
+    stack: list[tuple[Any, int, str]] = [(body, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise APIError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep (at {path or 'top'})",
+                               param=path or None, code="invalid_json")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, v in items:
+                if check_strings and isinstance(k, str) and _SURROGATE.search(k):
+                    raise APIError(400, f"a key at {path or 'top'} holds a lone UTF-16 surrogate, which is not "
+                                        "valid Unicode", param=path or None, code="invalid_value")
+                if isinstance(v, (dict, list, str, float)):
+                    stack.append((v, depth + 1, f"{path}.{k}" if path else str(k)))
+        elif isinstance(value, str):
+            if check_strings and _SURROGATE.search(value):
+                raise APIError(400, f"{path or 'body'} holds a lone UTF-16 surrogate, which is not valid Unicode",
+                               param=path or None, code="invalid_value")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise APIError(400, f"{path or 'body'} is a number out of range", param=path or None, code="invalid_value")
+
+
+def _parse_json(raw: bytes) -> Any:
+    """The body as JSON; every way it can be malformed is an :class:`APIError` 400."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                       code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity, an integer of more than 4300 digits
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    _check_json(body, raw)
+    return body
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+    def too_large(size: str) -> APIError:
+        return APIError(413, f"request body is {size}; this server accepts at most {limit} bytes "
+                             "(closedloop serve --max-request-bytes)", code="request_too_large")
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise too_large(f"{int(declared)} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _release_memory() -> None:
+    """Give freed heap back to the OS after a large request (glibc keeps it otherwise, which looks
+    like a leak of hundreds of MB per big body). A no-op where ``malloc_trim`` does not exist."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _malloc_trim = libc.malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
+def _offered_only(client: ModelClient, turn: Turn, offered: set[str], stops: list[str] | None) -> Turn:
+    """``turn`` with every tool call that names a tool the request did not offer turned back into
+    the text the model wrote (see the module docstring)."""
+    calls = turn.message.tool_calls or []
+    if all(c.function.name in offered for c in calls):
+        return turn
+    from closedloop.models.chat_format import parse_completion
+
+    if turn.completion_text is not None:
+        text = turn.completion_text
+        if stops and turn.finish_reason != "length":
+            cut = min((i for i in (text.find(s) for s in stops) if i != -1), default=-1)
+            if cut != -1:
+                text = text[:cut]
+        markers = getattr(client, "_end_markers", None) or ("<|im_end|>", "<|endoftext|>")
+        message = parse_completion(text, end_markers=tuple(markers), tool_names=offered)
+    else:  # no raw text (a remote backend): write the unoffered calls back as the Hermes text
+        kept = [c for c in calls if c.function.name in offered]
+        extra = "".join(f'\n<tool_call>\n{json.dumps({"name": c.function.name, "arguments": c.function.arguments})}'
+                        f"\n</tool_call>" for c in calls if c.function.name not in offered)
+        message = AssistantMessage(content=((content_text(turn.message.content) or "") + extra).strip() or None,
+                                   tool_calls=kept or None, reasoning=turn.message.reasoning)
+    finish = turn.finish_reason
+    if finish == "tool_calls" and not message.tool_calls:
+        finish = "stop"
+    return turn.model_copy(update={"message": message, "finish_reason": finish})
 
 
 def _decode_tokens(client: ModelClient, ids: list[int]) -> list[str]:
@@ -214,11 +364,16 @@ def _visible_prefix(raw: str, stops: list[str] | None = None) -> str:
 
 class _Server:
     def __init__(self, client: ModelClient, model_name: str, default_max_tokens: int, max_reasks: int,
-                 allow_weight_updates: bool = False) -> None:
+                 allow_weight_updates: bool = False, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP) -> None:
         self.client = client
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.max_reasks = max_reasks
+        self.max_request_bytes = max_request_bytes
+        self.max_tokens_cap = max_tokens_cap
+        #: Requests whose client went away before the reply (their generation was cancelled).
+        self.disconnected = 0
         self.created = int(time.time())
         self.weights = WeightsStatus(weight_updates=allow_weight_updates,
                                      backend=str(getattr(client, "spec", type(client).__name__)))
@@ -235,10 +390,7 @@ class _Server:
             raise APIError(403, "weight updates are disabled on this server; start it with --allow-weight-updates "
                                 "(an admin endpoint for a trainer on the same machine)", type="permission_error",
                            code="weight_updates_disabled")
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        body = _parse_json(await _read_body(request, self.max_request_bytes))
         try:
             req = LoadWeightsRequest.model_validate(body)
         except ValidationError as e:
@@ -268,17 +420,25 @@ class _Server:
     # ----------------------------------------------------------------- request parsing
 
     async def parse(self, request: Request) -> tuple[ChatCompletionRequest, list[_Message]]:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        raw = await _read_body(request, self.max_request_bytes)
+        if len(raw) >= _BIG_BODY:  # parsing megabytes would stall every other request on this loop
+            return await asyncio.to_thread(self._parse_raw, raw)
+        return self._parse_raw(raw)
+
+    def _parse_raw(self, raw: bytes) -> tuple[ChatCompletionRequest, list[_Message]]:
+        body = _parse_json(raw)
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object", code="invalid_json")
         try:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
             raise _validation_error(e) from None
+        asked = req.max_new_tokens
+        if asked is not None and asked > self.max_tokens_cap:
+            which = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            raise APIError(400, f"{which} is too large: {asked}. This server allows at most {self.max_tokens_cap} "
+                                f"completion tokens (closedloop serve --max-tokens-cap).", param=which,
+                           code="invalid_value")
         if req.model != self.model_name:
             raise APIError(404, f"The model `{req.model}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
@@ -317,15 +477,19 @@ class _Server:
 
     # ----------------------------------------------------------------- generation
 
+    def offered(self, turn: Turn, tools: list[dict[str, Any]] | None, params: SamplingParams) -> Turn:
+        names = {t["function"]["name"] for t in tools or []}
+        return _offered_only(self.client, turn, names, params.stop)
+
     async def one(self, messages: list[_Message], tools, choice, params: SamplingParams) -> tuple[Turn, list[Turn]]:
         """The reply for one choice, and the replies discarded on the way (re-asks), oldest first."""
-        turn = await self.client.generate(messages, tools, params, choice)
+        turn = self.offered(await self.client.generate(messages, tools, params, choice), tools, params)
         discarded: list[Turn] = []
         while not self.satisfies(turn, choice) and params.temperature > 0 and len(discarded) < self.max_reasks:
             discarded.append(turn)
             if params.seed is not None:
                 params = params.model_copy(update={"seed": params.seed + 1000 * len(discarded)})
-            turn = await self.client.generate(messages, tools, params, choice)
+            turn = self.offered(await self.client.generate(messages, tools, params, choice), tools, params)
         return turn, discarded
 
     async def complete(self, req: ChatCompletionRequest, messages: list[_Message]) -> ChatCompletion:
@@ -372,9 +536,12 @@ class _Server:
             params = self.sampling(req, i)
             try:
                 done = False
-                async for ev in self.client.stream(messages, tools, params, choice):
-                    done = done or isinstance(ev, TurnDone)
-                    await queue.put((i, ev))
+                # aclosing: when this task is cancelled (the client went away) the backend's stream is
+                # closed at once, which cancels its generation, instead of whenever it is collected.
+                async with contextlib.aclosing(self.client.stream(messages, tools, params, choice)) as events:
+                    async for ev in events:
+                        done = done or isinstance(ev, TurnDone)
+                        await queue.put((i, ev))
                 if not done:
                     raise ModelError("the backend's stream ended without a final turn")
             except Exception as e:  # noqa: BLE001 - reported in-band below
@@ -407,7 +574,7 @@ class _Server:
                     continue
                 if not isinstance(ev, TurnDone):
                     continue
-                turn = turns[i] = ev.turn
+                turn = turns[i] = self.offered(ev.turn, tools, self.sampling(req, i))
                 remaining -= 1
                 final = _content(turn) or ""
                 if final.startswith(sent[i]) and len(final) > len(sent[i]):
@@ -435,13 +602,27 @@ class _Server:
                 t.cancel()
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so this only waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int = 256, max_reasks: int = 2,
-               allow_weight_updates: bool = False) -> FastAPI:
+               allow_weight_updates: bool = False, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP) -> FastAPI:
     """The FastAPI app serving ``client`` as ``model_name`` (the only name requests may use).
 
     ``allow_weight_updates`` enables the admin endpoint ``POST /closedloop/v1/load_weights``
-    (off by default; see the module docstring)."""
-    server = _Server(client, model_name, default_max_tokens, max_reasks, allow_weight_updates)
+    (off by default; see the module docstring). ``max_request_bytes`` and ``max_tokens_cap`` bound
+    what one request may ask (413 / 400 above them)."""
+    if max_request_bytes < 1:
+        raise ValueError("max_request_bytes must be >= 1")
+    if not 1 <= default_max_tokens <= max_tokens_cap:
+        raise ValueError(f"default_max_tokens ({default_max_tokens}) must be between 1 and max_tokens_cap "
+                         f"({max_tokens_cap})")
+    server = _Server(client, model_name, default_max_tokens, max_reasks, allow_weight_updates, max_request_bytes,
+                     max_tokens_cap)
     app = FastAPI(title="closedloop", docs_url=None, redoc_url=None)
     app.state.server = server
 
@@ -467,7 +648,7 @@ def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int 
     async def health() -> dict[str, Any]:
         # The micro-batcher's record (when the backend keeps one) shows whether requests batched.
         stats = getattr(client, "batch_stats", None)
-        return {"status": "ok", **({"batches": stats()} if callable(stats) else {})}
+        return {"status": "ok", "disconnected": server.disconnected, **({"batches": stats()} if callable(stats) else {})}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -481,12 +662,31 @@ def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) >= _BIG_BODY:
+            try:  # hand the heap a big body and its tokens used back to the OS (see _release_memory)
+                return await answer(request)
+            finally:
+                await asyncio.to_thread(_release_memory)
+        return await answer(request)
+
+    async def answer(request: Request):
         req, messages = await server.parse(request)
         if req.stream:
             return StreamingResponse(server.stream(req, messages), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        result = await server.complete(req, messages)
-        return JSONResponse(result.to_wire())
+        # A client that goes away stops its generation (the stream above is cancelled by Starlette).
+        work = asyncio.ensure_future(server.complete(req, messages))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():
+            work.cancel()
+            server.disconnected += 1
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        return JSONResponse(work.result().to_wire())
 
     @app.get("/closedloop/v1/weights")
     async def weights() -> dict[str, Any]:

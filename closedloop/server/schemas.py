@@ -19,15 +19,38 @@ _HARMLESS_MESSAGE_KEYS = {"refusal", "audio", "annotations", "function_call"}
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+#: OpenAI's rule for function names (its API rejects others with a 400).
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class FunctionDef(BaseModel):
+    """A function tool as OpenAI validates it: a name of letters, digits, ``_`` and ``-`` (at most
+    64), and ``parameters``, when given, a valid JSON Schema of ``"type": "object"``."""
+
     model_config = ConfigDict(extra="allow")
 
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _json_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        if v.get("type", "object") != "object":
+            raise ValueError(f"parameters must be a JSON Schema of type 'object', got type {v.get('type')!r}")
+        from jsonschema import Draft202012Validator
+        from jsonschema.exceptions import SchemaError
+
+        try:
+            Draft202012Validator.check_schema(v)
+        except SchemaError as e:
+            where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
+            raise ValueError(f"parameters is not a valid JSON Schema at {where}: {e.message}") from None
+        return v
 
 
 class ToolDef(BaseModel):
@@ -71,7 +94,7 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: Union[str, list[str]] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # as vLLM: a 64-bit integer
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     return_token_ids: bool = False
@@ -90,6 +113,16 @@ class ChatCompletionRequest(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
         return stops or None
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
+        seen: set[str] = set()
+        for t in v or []:
+            if t.function.name in seen:
+                raise ValueError(f"tool names must be unique; {t.function.name!r} is given more than once")
+            seen.add(t.function.name)
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> "ChatCompletionRequest":
