@@ -2,6 +2,7 @@
 
 - ``calc`` (:mod:`.calc`): arithmetic word problems solved with calculator tools.
 - ``clarify`` (:mod:`.clarify`): find a hidden goal by asking questions; exact information gain.
+- ``simul`` (:mod:`.simul`): simultaneous translation of a synthetic language pair; BLEU-by-deadline minus lag.
 
 ``make_env(name, **options)`` builds one (entry-point group ``closedloop.environments``);
 ``expert_trajectories(name, seeds, level)`` plays the scripted expert for SFT data.

@@ -18,7 +18,8 @@ __all__ = ["ENV_GROUP", "BUILTIN_ENVS", "available_envs", "make_env", "UnknownEn
 ENV_GROUP = "closedloop.environments"
 # Built-ins resolve even before the package's entry points are (re)installed.
 BUILTIN_ENVS: dict[str, str] = {"calc": "closedloop.evals.envs.calc:CalcEnv",
-                                "clarify": "closedloop.evals.envs.clarify:ClarifyEnv"}
+                                "clarify": "closedloop.evals.envs.clarify:ClarifyEnv",
+                                "simul": "closedloop.evals.envs.simul:SimulEnv"}
 
 
 class UnknownEnvironment(KeyError):
