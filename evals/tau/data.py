@@ -117,6 +117,22 @@ class DomainData:
         policy = self.policy if (self.folder / self.domain.policy_file).is_file() else ""
         return Environment(self.domain, db, user_db=user_db, policy=policy)
 
+    def _marks(self, requestor: str) -> dict[str, dict]:
+        kit = self.domain.user_toolkit if requestor == "user" else self.domain.toolkit
+        marks = getattr(kit, "tool_marks", None)
+        return marks() if marks is not None else {}
+
+    def is_mutating_tool(self, name: str, requestor: str = "assistant") -> bool:
+        """From the toolkit class: no environment is built."""
+        return bool(self._marks(requestor).get(name, {}).get("mutates"))
+
+    def tool_types(self) -> dict[str, str]:
+        """tau2 ``get_tool_types`` over agent and user tools."""
+        kinds = {n: m["kind"] for n, m in self._marks("assistant").items()}
+        if self.domain.user_toolkit is not None:
+            kinds.update({n: m["kind"] for n, m in self._marks("user").items()})
+        return kinds
+
     def environment_factory(self) -> Callable[[], Environment]:
         return self.make_environment
 

@@ -72,7 +72,7 @@ class Description(_Lenient):
 
 
 def normalize_action_arg(value: Any) -> Any:
-    """JSON-looking strings compare by value (tau2 ``_normalize_action_arg_value``)."""
+    """JSON-looking strings compare by value (a tau2 change that is not on its main branch)."""
     if isinstance(value, str):
         stripped = value.strip()
         if stripped.startswith(("{", "[")):
@@ -98,16 +98,18 @@ class Action(_Lenient):
     info: Optional[str] = None
     compare_args: Optional[list[str]] = None
 
-    def matches(self, name: str, arguments: dict[str, Any]) -> bool:
+    def matches(self, name: str, arguments: dict[str, Any], *, normalize: bool = False) -> bool:
         """tau2 ``compare_with_tool_call``: same name, and equal on ``compare_args`` (all of the
-        call's arguments when None; an empty list means the name alone decides)."""
+        call's arguments when None; an empty list means the name alone decides).
+        ``normalize=True`` (not tau2 main) compares JSON-encoded strings by the value they encode."""
         if self.name != name:
             return False
         keys = list(arguments.keys()) if self.compare_args is None else self.compare_args
         if len(keys) == 0:
             return True
-        got = {k: normalize_action_arg(v) for k, v in arguments.items() if k in keys}
-        want = {k: normalize_action_arg(v) for k, v in self.arguments.items() if k in keys}
+        norm = normalize_action_arg if normalize else (lambda v: v)
+        got = {k: norm(v) for k, v in arguments.items() if k in keys}
+        want = {k: norm(v) for k, v in self.arguments.items() if k in keys}
         return got == want
 
 

@@ -15,7 +15,7 @@ from closedloop.evals.tau.domains.registry import Domain
 from closedloop.messages import ToolCall, ToolMessage
 from closedloop.tool import Tool, ToolRegistry, ToolResult
 
-__all__ = ["Environment", "EnvironmentFactory"]
+__all__ = ["Environment", "EnvironmentFactory", "decode_json_string_args"]
 
 
 def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -30,13 +30,23 @@ def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 class Environment:
     """Tools bound to a DB (and, for dual-control domains, user tools bound to a user DB)."""
 
-    def __init__(self, domain: Domain, db: TauDB, *, user_db: TauDB | None = None, policy: str = "") -> None:
+    def __init__(self, domain: Domain, db: TauDB, *, user_db: TauDB | None = None, policy: str = "",
+                 options: dict[str, Any] | None = None, descriptions: dict[str, str] | None = None,
+                 user_descriptions: dict[str, str] | None = None) -> None:
         self.domain = domain
         self.policy = policy
-        self.toolkit: Toolkit = domain.toolkit(db)
+        self.options: dict[str, Any] = dict(options or {})
+        self.toolkit: Toolkit = domain.toolkit(db, descriptions=descriptions, **self.options)
         self.user_toolkit: Toolkit | None = None
         if user_db is not None and domain.user_toolkit is not None:
-            self.user_toolkit = domain.user_toolkit(user_db)
+            self.user_toolkit = domain.user_toolkit(user_db, descriptions=user_descriptions, **self.options)
+        self.sync_tools()
+
+    def sync_tools(self) -> None:
+        """tau2 ``Environment.sync_tools``: dual-control domains reconcile their two DBs here."""
+        hook = getattr(self.domain, "sync_tools", None)
+        if hook is not None:
+            hook(self)
 
     # ------------------------------------------------------------------ state
 
@@ -71,7 +81,7 @@ class Environment:
     @staticmethod
     def _replace_db(toolkit: Toolkit, data: dict[str, Any]) -> None:
         new_db = type(toolkit.db).model_validate(data)
-        toolkit.__init__(new_db)  # rebind the tools to the new instance
+        toolkit.__init__(new_db, descriptions=toolkit._descriptions, **toolkit.options)  # rebind the tools
 
     # ------------------------------------------------------------------ tools
 
@@ -105,7 +115,13 @@ class Environment:
             msg = f"Tool '{call.name}' not found."
             result = ToolResult(call.name, f"Error: {msg}", msg, "unknown_tool")
         else:
-            result = registry.get(call.name).call(call.function.arguments)  # type: ignore[attr-defined]
+            tool = registry.get(call.name)
+            arguments: Any = call.function.arguments
+            if self.options.get("json_string_args"):
+                arguments = decode_json_string_args(tool, arguments)
+            result = tool.call(arguments)  # type: ignore[attr-defined]
+            if result.ok:
+                self.sync_tools()
         return result.to_message(call.id)
 
     def make_tool_call(self, name: str, requestor: str = "assistant", **arguments: Any) -> Any:
@@ -113,14 +129,16 @@ class Environment:
         kit = self._kit(requestor)
         if name not in kit.tools:
             raise KeyError(f"Tool '{name}' not found.")
-        tool = kit.tools.get(name)
-        kwargs = tool.validate(arguments)
-        return tool.fn(**kwargs)
+        value = kit.tools.get(name).fn(**arguments)  # raw kwargs, as tau2 calls its tools
+        self.sync_tools()
+        return value
 
     def call_function(self, call: EnvFunctionCall) -> Any:
         """A toolkit function (tool or assertion helper) by name; raises on error."""
         kit = self._kit(call.env_type)
-        return kit.function(call.func_name)(**call.arguments)
+        value = kit.function(call.func_name)(**call.arguments)
+        self.sync_tools()
+        return value
 
     def run_env_assertion(self, assertion: EnvAssertion) -> tuple[bool, str | None]:
         """(met, error): an assertion whose function raises or returns a non-bool is not met."""
@@ -139,6 +157,31 @@ class Environment:
         """tau2 ``EnvironmentInfo``: domain name, policy and tool definitions."""
         return {"domain_name": self.domain.name, "policy": self.policy,
                 "tool_defs": {t.name: json.loads(json.dumps(t.schema)) for t in self.tools}}
+
+
+def decode_json_string_args(tool: Tool, arguments: Any) -> Any:
+    """Option ``json_string_args``: a list argument sent as a JSON-encoded string is decoded.
+
+    tau2 (main) passes such a string to the tool as it is, where it is iterated character by
+    character ("Error: [ not found"); some models send lists that way."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            return arguments
+    if not isinstance(arguments, dict):
+        return arguments
+    props = tool.parameters.get("properties", {})
+    out = dict(arguments)
+    for key, value in arguments.items():
+        if isinstance(value, str) and props.get(key, {}).get("type") == "array" and value.strip().startswith("["):
+            try:
+                decoded = json.loads(value)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(decoded, list):
+                out[key] = decoded
+    return out
 
 
 EnvironmentFactory = Callable[[], Environment]

@@ -30,6 +30,8 @@ class TerminationReason(str, Enum):
     USER_ERROR = "user_error"
     TIMEOUT = "timeout"
     INFRASTRUCTURE_ERROR = "infrastructure_error"  # a model server failed; excluded from metrics
+    CONTEXT_WINDOW_EXCEEDED = "context_window_exceeded"  # the agent's prompt outgrew its model: scored 0, as tau2
+    UNEXPECTED_ERROR = "unexpected_error"
 
 
 # tau2 grades only episodes that ended by a stop; every other ending scores 0 (infra: not graded).
@@ -57,6 +59,7 @@ class ActionCheck(BaseModel):
     action: Action
     action_match: bool
     action_reward: float
+    tool_type: Optional[str] = None
 
 
 class CommunicateCheck(BaseModel):
@@ -72,26 +75,56 @@ class NLAssertionCheck(BaseModel):
 
 
 class RewardInfo(BaseModel):
-    """Every check of one graded episode (tau2 ``reward_info`` plus what was not graded and why)."""
+    """Every check of one graded episode: tau2's ``RewardInfo`` (same fields, same values; see
+    :meth:`to_tau2`) plus what tau2 cannot say: what was not graded and why, the task file's
+    hash, the judge's model and usage, gold actions that failed."""
 
     reward: Optional[float]
-    partial_reward: float = 1.0
     db_check: Optional[DBCheck] = None
     env_assertions: Optional[list[EnvAssertionCheck]] = None
     action_checks: Optional[list[ActionCheck]] = None
     nl_assertions: Optional[list[NLAssertionCheck]] = None
     communicate_checks: Optional[list[CommunicateCheck]] = None
-    reward_basis: list[RewardType] = Field(default_factory=list)
-    reward_breakdown: dict[RewardType, float] = Field(default_factory=dict)
+    reward_basis: Optional[list[RewardType]] = Field(default_factory=list)
+    reward_breakdown: Optional[dict[RewardType, float]] = Field(default_factory=dict)
+    info: Optional[dict[str, Any]] = Field(default_factory=dict)
+    # ours
+    partial_reward: float = 1.0
     not_graded: dict[RewardType, str] = Field(default_factory=dict)  # component -> why
+    gold_failures: list[dict[str, Any]] = Field(default_factory=list)  # gold actions that raised (tau2 logs them)
+    replay_mismatches: list[dict[str, Any]] = Field(default_factory=list)  # replayed writes whose output changed
     task_file_sha256: Optional[str] = None
     judge_model: Optional[str] = None
     judge_usage: Optional[Usage] = None
-    info: dict[str, Any] = Field(default_factory=dict)
 
     @property
     def graded(self) -> bool:
         return self.reward is not None
+
+    def to_tau2(self) -> Optional[dict[str, Any]]:
+        """tau2's ``RewardInfo.model_dump(mode="json")``, or None for an ungraded episode (tau2
+        has no ungraded reward: such a simulation carries ``reward_info: null``)."""
+        if self.reward is None:
+            return None
+
+        def dump(items: Optional[list[BaseModel]], fields: tuple[str, ...]) -> Optional[list[dict[str, Any]]]:
+            if items is None:
+                return None
+            return [{f: v for f, v in item.model_dump(mode="json").items() if f in fields} for item in items]
+
+        return {
+            "reward": self.reward,
+            "db_check": None if self.db_check is None else {"db_match": self.db_check.db_match,
+                                                             "db_reward": self.db_check.db_reward},
+            "env_assertions": dump(self.env_assertions, ("env_assertion", "met", "reward")),
+            "action_checks": dump(self.action_checks, ("action", "action_match", "action_reward", "tool_type")),
+            "nl_assertions": dump(self.nl_assertions, ("nl_assertion", "met", "justification")),
+            "communicate_checks": dump(self.communicate_checks, ("info", "met", "justification")),
+            "reward_basis": None if self.reward_basis is None else [b.value for b in self.reward_basis],
+            "reward_breakdown": None if self.reward_breakdown is None else
+            {k.value: v for k, v in self.reward_breakdown.items()},
+            "info": self.info,
+        }
 
 
 class SimulationRun(BaseModel):

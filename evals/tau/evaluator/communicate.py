@@ -9,9 +9,12 @@ from closedloop.evals.tau.simulation import CommunicateCheck
 from closedloop.messages import AssistantMessage, _Message
 
 
-def check_communicate(messages: list[_Message], task: Task) -> tuple[list[CommunicateCheck], float]:
+def check_communicate(messages: list[_Message], task: Task) -> tuple[list[CommunicateCheck] | None, float, dict | None]:
+    """(checks, reward, info): checks is None and info a note when there is nothing to check."""
     infos = (task.evaluation_criteria.communicate_info if task.evaluation_criteria else None) or []
-    texts = [m.text for m in messages if isinstance(m, AssistantMessage) and m.text]
+    if not infos:
+        return None, 1.0, {"note": "No communicate_info to evaluate"}
+    texts = [m.text for m in messages if isinstance(m, AssistantMessage) and m.content is not None and m.text]
     checks: list[CommunicateCheck] = []
     for info in infos:
         hit = next((t for t in texts if info.lower() in t.lower().replace(",", "")), None)
@@ -21,4 +24,4 @@ def check_communicate(messages: list[_Message], task: Task) -> tuple[list[Commun
         else:
             checks.append(CommunicateCheck(info=info, met=False,
                                            justification=f"Information '{info}' not communicated."))
-    return checks, 1.0 if all(c.met for c in checks) else 0.0
+    return checks, 1.0 if all(c.met for c in checks) else 0.0, None

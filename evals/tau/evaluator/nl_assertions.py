@@ -52,6 +52,7 @@ class NLResult:
     usage: Usage | None = None
     model: str | None = None
     error: str | None = None
+    info: dict | None = None  # tau2's component info (a note when there was nothing to judge)
 
 
 def transcript(messages: list[_Message]) -> str:
@@ -83,7 +84,7 @@ def _parse(text: str) -> dict:
 async def check_nl_assertions(messages: list[_Message], assertions: list[str] | None,
                               judge: ModelClient | None, params: SamplingParams | None = None) -> NLResult:
     if not assertions:
-        return NLResult(checks=[], reward=1.0)
+        return NLResult(checks=[], reward=1.0, info={"note": "No nl_assertions to evaluate"})
     if judge is None:
         return NLResult(checks=None, reward=None, error="not graded: no judge model configured")
     try:

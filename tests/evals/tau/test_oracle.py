@@ -41,18 +41,21 @@ async def test_oracle_scores_one_on_every_train_task(anchors_retail):
         assert info.db_check.db_match, task.id
         assert info.partial_reward == 1.0, (task.id, info.reward_breakdown)
         assert info.task_file_sha256 == tasks.sha256
-        if info.info.get("gold_replay_incomplete"):
+        assert info.reward == 1.0, (task.id, info.not_graded)
+        failed_writes = [f for f in info.gold_failures if f["mutating"]]
+        if failed_writes:
             incomplete.add(task.id)
-            assert info.reward is None and set(info.not_graded) == {RewardType.DB}
-        else:
-            assert info.reward == 1.0, (task.id, info.not_graded)
+            assert failed_writes[0]["error"].startswith("Insufficient gift card balance")
+            strict = await evaluate(sim, task, anchors_retail.make_environment, None, strict_gold_replay=True)
+            assert strict.reward is None and RewardType.DB in strict.not_graded
         sim.reward_info = info
         sims.append(sim)
     assert incomplete == GOLD_INCOMPLETE
-    assert len(judge.prompts) == sum(1 for t in tasks.tasks if t.evaluation_criteria.nl_assertions)
+    assert len(judge.prompts) == sum(1 for t in tasks.tasks if t.evaluation_criteria.nl_assertions
+                                     and RewardType.NL_ASSERTION in t.reward_basis)
     metrics = compute_metrics(sims)
-    assert metrics.pass_hat_k[1] == 1.0 and metrics.num_tasks[1] == len(tasks) - len(GOLD_INCOMPLETE)
-    assert metrics.ungraded == [s.id for s in sims if s.task_id in GOLD_INCOMPLETE]
+    assert metrics.pass_hat_k[1] == 1.0 and metrics.num_tasks[1] == len(tasks)
+    assert metrics.ungraded == []
     exported = json.loads(json.dumps(results_dict(sims[:2], tasks.tasks[:2], RunInfo(task_file_sha256=tasks.sha256))))
     assert exported["simulations"][0]["reward_info"]["db_check"]["db_match"] is True
 
