@@ -127,7 +127,7 @@ def main() -> None:
     from rich.table import Table
 
     torch.set_num_threads(args.threads)
-    console = Console()
+    console = Console(width=150)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         model_path = args.model

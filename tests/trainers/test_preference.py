@@ -313,3 +313,23 @@ def test_cli_knows_dpo_and_cpref(tmp_path, capsys):
     assert "strategy: best_worst" in capsys.readouterr().out
     assert main(["train", "dpo", "--set", f"model={tmp_path}", "--set", "output_dir=o", "--set",
                  "loss_type=kto", "--print-config"]) == 2
+
+
+@pytest.mark.parametrize("setup", [["lora.r=4", "precompute_ref_log_probs=true"], ["lora.r=4"],
+                                   ["precompute_ref_log_probs=true"], ["loss_type=ipo"]])
+def test_reference_is_the_starting_policy_in_every_setup(tiny_model_path, tokenizer, tmp_path, setup):
+    """Step 1 sees policy = reference (copy, adapters off, precomputed): sigmoid loss log 2, IPO 1/(2β)²;
+    then the policy moves and the loss falls."""
+    from closedloop.trainers.dpo import DPOConfig, train_dpo
+
+    rows = [{"prompt": [{"role": "user", "content": f"{a} plus {b}?"}],
+             "chosen": [{"role": "assistant", "content": f"{a + b}"}],
+             "rejected": [{"role": "assistant", "content": f"{a + b + 1}"}]} for a, b in ((1, 2), (3, 4), (5, 6))]
+    cfg = load_config(DPOConfig, None, [f"model={tiny_model_path}", f"output_dir={tmp_path}", "report_to=none",
+                                        "max_steps=3", "per_device_batch_size=3", "learning_rate=1e-2",
+                                        "torch_threads=1", "beta=0.5", *setup])
+    history = train_dpo(cfg, rows).history
+    first = 1.0 if cfg.loss_type == "ipo" else LOG2  # (0 − 1/(2·0.5))² = 1
+    assert history[0]["loss"] == pytest.approx(first, abs=1e-5)
+    assert history[0]["delta_theta"] == pytest.approx(history[0]["delta_ref"], abs=1e-5)
+    assert history[-1]["loss"] < first
