@@ -88,7 +88,6 @@ async def test_prebuilt_agent_messages_stream_and_one_sft_step(tiny_model_path, 
                                              {"recursion_limit": 8}, stream_mode="messages"):
         chunks.append((type(message).__name__, meta.get("langgraph_node")))
     assert any(kind == "AIMessageChunk" for kind, _ in chunks)
-    state = await agent.aget_state({}) if agent.checkpointer else None
     out = await agent.ainvoke({"messages": [{"role": "user", "content": "What is 3 plus 4?"}]}, {"recursion_limit": 8})
     turns = turns_from_messages(out["messages"])
     assert turns and all(t.completion_ids for t in turns)
@@ -99,7 +98,6 @@ async def test_prebuilt_agent_messages_stream_and_one_sft_step(tiny_model_path, 
                                         "save_steps=null", "torch_threads=1", "max_steps=1"])
     result = train_sft(cfg, [traj])
     assert result.step == 1 and result.n_train == 1 and result.metrics
-    del state
 
 
 def test_sync_invoke_and_stream_outside_and_inside_an_event_loop():
