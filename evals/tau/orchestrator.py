@@ -163,6 +163,29 @@ class _Role(str, Enum):
 
 
 _INFRA_ERRORS = (ModelError, OSError, asyncio.TimeoutError, ConnectionError)
+_OVERFLOW_CODE = "context_length_exceeded"
+
+
+def is_context_overflow(exc: BaseException) -> bool:
+    """The core's :class:`ContextLengthExceededError`, or (until every client maps it) an
+    OpenAI-style 400 whose code is ``context_length_exceeded``, anywhere in the cause chain."""
+    from closedloop.models import ContextLengthExceededError
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ContextLengthExceededError):
+            return True
+        code = getattr(e, "code", None)
+        body = getattr(e, "body", None)
+        if code == _OVERFLOW_CODE or (isinstance(body, dict) and (body.get("code") == _OVERFLOW_CODE or
+                                      (body.get("error") or {}).get("code") == _OVERFLOW_CODE)):
+            return True
+        if _OVERFLOW_CODE in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _now() -> str:
@@ -257,8 +280,17 @@ class Orchestrator:
         await self._advance()
 
     def fail_agent(self, exc: BaseException) -> None:
-        """Record an exception raised by the agent callable and end the episode."""
-        reason = TerminationReason.INFRASTRUCTURE_ERROR if isinstance(exc, _INFRA_ERRORS) else TerminationReason.AGENT_ERROR
+        """Record an exception raised by the agent callable and end the episode.
+
+        A prompt that outgrew the agent's context window is the agent's own limit, not the
+        infrastructure's: tau2's ``context_window_exceeded`` termination, scored 0 and counted in
+        pass^k (an infrastructure error would be dropped from the metrics and re-run on resume)."""
+        if is_context_overflow(exc):
+            reason = TerminationReason.CONTEXT_WINDOW_EXCEEDED
+        elif isinstance(exc, _INFRA_ERRORS):
+            reason = TerminationReason.INFRASTRUCTURE_ERROR
+        else:
+            reason = TerminationReason.AGENT_ERROR
         self._finish(reason, f"{type(exc).__name__}: {exc}")
 
     async def _advance(self) -> None:
