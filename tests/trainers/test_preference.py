@@ -333,3 +333,25 @@ def test_reference_is_the_starting_policy_in_every_setup(tiny_model_path, tokeni
     assert history[0]["loss"] == pytest.approx(first, abs=1e-5)
     assert history[0]["delta_theta"] == pytest.approx(history[0]["delta_ref"], abs=1e-5)
     assert history[-1]["loss"] < first
+
+
+def test_cli_trains_cpref_from_jsonl_and_records_the_run(tiny_model_path, tmp_path, capsys):
+    import json
+
+    from closedloop.cli import main
+    from closedloop.store import RunStore
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "colour?"}],
+                                "chosen": [{"role": "assistant", "content": "blue"}],
+                                "rejected": [{"role": "assistant", "content": "red"}]}) + "\n")
+    store = tmp_path / "runs.duckdb"
+    assert main(["train", "cpref", "--set", f"model=hf:{tiny_model_path}", "--set", f"output_dir={tmp_path / 'out'}",
+                 "--set", f"dataset={data}", "--set", "max_steps=2", "--set", f"store={store}", "--set",
+                 "logging_steps=1", "--set", "torch_threads=1", "--set", "variant=clip"]) == 0
+    assert "done: 2 steps" in capsys.readouterr().out
+    (run,) = RunStore(store).list_runs(kind="train")
+    assert run.status == "completed"
+    logged = RunStore(store).metrics(run.id)
+    assert len(logged) == 2 and {"loss", "delta_theta", "policy_accuracy"} <= set(logged[-1])
+    assert (tmp_path / "out" / "config.json").is_file()
