@@ -18,6 +18,7 @@ from closedloop.evals.tau.data_model import Task
 from closedloop.evals.tau.domains.base import TauDB
 from closedloop.evals.tau.domains.registry import Domain, get_domain
 from closedloop.evals.tau.environment import Environment
+from closedloop.evals.tau.tau2_source import find_tau2_source, read_tool_docstrings
 
 __all__ = ["DATA_DIR_ENV", "TauDataError", "resolve_data_root", "TaskSet", "DomainData", "load_domain"]
 
@@ -70,9 +71,13 @@ class DomainData:
 
     domain: Domain
     folder: Path
+    options: dict = field(default_factory=dict)  # the domain's documented deviations from tau2, all off by default
+    descriptions: dict = field(default_factory=dict)  # tool name -> docstring from a tau2 checkout
+    user_descriptions: dict = field(default_factory=dict)
     _db_raw: dict | None = field(default=None, repr=False)
     _user_db_raw: dict | None = field(default=None, repr=False)
     _db_sha: str | None = field(default=None, repr=False)
+    _policy_cache: str | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -114,8 +119,13 @@ class DomainData:
         user_db = None
         if self.domain.user_db_model is not None:
             user_db = self._load_db(self.domain.user_db_model, "user_db", "_user_db_raw")
-        policy = self.policy if (self.folder / self.domain.policy_file).is_file() else ""
-        return Environment(self.domain, db, user_db=user_db, policy=policy)
+        return Environment(self.domain, db, user_db=user_db, policy=self._policy_text(), options=self.options,
+                           descriptions=self.descriptions or None, user_descriptions=self.user_descriptions or None)
+
+    def _policy_text(self) -> str:
+        if self._policy_cache is None:
+            self._policy_cache = self.policy if (self.folder / self.domain.policy_file).is_file() else ""
+        return self._policy_cache
 
     def _marks(self, requestor: str) -> dict[str, dict]:
         kit = self.domain.user_toolkit if requestor == "user" else self.domain.toolkit
@@ -176,10 +186,21 @@ class DomainData:
         return TaskSet(self.name, split, tasks, digest, path)
 
 
-def load_domain(name: str, data_dir: str | Path | None = None) -> DomainData:
+def load_domain(name: str, data_dir: str | Path | None = None, *, options: dict | None = None,
+                tau2_source: bool = True) -> DomainData:
+    """A domain's code and data. ``options`` switch on documented deviations from tau2 (see the
+    domain's toolkit and :class:`~closedloop.evals.tau.environment.Environment`); with
+    ``tau2_source`` the tool descriptions come from a tau2 checkout when one is found
+    (:mod:`~closedloop.evals.tau.tau2_source`)."""
     root = resolve_data_root(data_dir)
     folder = root / "tau2" / "domains" / name
     domain = get_domain(name)
     if not folder.is_dir():
         raise TauDataError(f"no data for domain {name!r}: {folder} does not exist")
-    return DomainData(domain, folder)
+    data = DomainData(domain, folder, options=dict(options or {}))
+    src = find_tau2_source(root) if tau2_source else None
+    if src is not None:
+        data.descriptions = read_tool_docstrings(src, name, "tools")
+        if domain.user_toolkit is not None:
+            data.user_descriptions = read_tool_docstrings(src, name, "user_tools")
+    return data

@@ -82,3 +82,53 @@ def test_every_reward_info(retail) -> None:
                 variant.evaluation_criteria.reward_basis = basis
             ours = evaluate_tau2(sim, variant, retail.make_environment, nl_judge=_stub_judge)
             assert ours == trajectory["reward_info"][name], (trajectory["task_id"], trajectory["case"], name)
+
+
+def test_descriptions_from_a_tau2_checkout_replace_ours(tmp_path) -> None:
+    """A checkout's docstrings win; the schemas stay tau2's shape (and equal to the golden file
+    when the checkout's wording is the golden commit's)."""
+    import shutil
+
+    checkout = tmp_path / "tau2-bench"
+    shutil.copytree(ANCHORS / "tau2", checkout / "data" / "tau2", ignore=shutil.ignore_patterns("golden"))
+    src = checkout / "src" / "tau2" / "domains" / "retail"
+    src.mkdir(parents=True)
+    ours = Path(__file__).resolve().parents[3] / "evals" / "tau" / "domains" / "retail" / "tools.py"
+    text = ours.read_text().replace("Calculate the result of a mathematical expression.",
+                                    "Calculate the value of an arithmetic expression.")
+    (src / "tools.py").write_text(text)
+    data = load_domain("retail", checkout / "data")
+    schemas = {t.name: t.schema for t in data.make_environment().tool_list}
+    assert schemas["calculate"]["function"]["description"] == "Calculate the value of an arithmetic expression."
+    gold = {t["function"]["name"]: t for t in _load("tool_schemas.json")["tools"]}
+    assert {n: s for n, s in schemas.items() if n != "calculate"} == {n: s for n, s in gold.items() if n != "calculate"}
+    fallback = load_domain("retail", checkout / "data", tau2_source=False)
+    assert json.dumps([t.schema for t in fallback.make_environment().tool_list]) == json.dumps(_load("tool_schemas.json")["tools"])
+
+
+def _run_episode(data, episode) -> tuple[list[str], str]:
+    env = data.make_environment()
+    outputs = [env.run_tool_call(ToolCall.make(c["name"], c["arguments"], id=f"c{i}")).text
+               for i, c in enumerate(episode["calls"])]
+    return outputs, env.get_db_hash()
+
+
+def test_options_change_what_tau2_gets_wrong_and_nothing_by_default() -> None:
+    gold = _load("tool_calls.json")["episodes"]
+    fixed = load_domain("retail", ANCHORS, options={"per_item_swap_prices": True, "accent_insensitive_lookup": True,
+                                                     "json_string_args": True})
+    default = load_domain("retail", ANCHORS)
+    for n in (2, 3):
+        given = [e for e in gold if e["kind"] == f"multi_item_modify_{n}_pairs_given"]
+        reverse = [e for e in gold if e["kind"] == f"multi_item_modify_{n}_pairs_reversed"]
+        for a, b in zip(given, reverse):
+            assert _run_episode(default, a)[1] != _run_episode(default, b)[1]  # tau2: order matters
+            assert _run_episode(fixed, a)[1] == _run_episode(fixed, b)[1]      # option: it does not
+    names = next(e for e in gold if e["kind"] == "name_email_variants")
+    default_out, _ = _run_episode(default, names)
+    fixed_out, _ = _run_episode(fixed, names)
+    assert sum(o == "User not found" or o == "Error: User not found" for o in fixed_out) < \
+        sum(o == "Error: User not found" for o in default_out)
+    strings = next(e for e in gold if e["kind"] == "json_string_lists")
+    fixed_out, _ = _run_episode(fixed, strings)
+    assert not any(o.startswith("Error: [ not found") or o.startswith("Error: Number of [") for o in fixed_out)
