@@ -175,6 +175,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_prune(args: argparse.Namespace) -> int:
     count = _store(args).delete_older_than(args.older_than)
     print(f"deleted {count} run(s) that ended more than {args.older_than} ago")
+    if args.artifacts:  # the same retention for tool artifacts (closedloop.artifacts)
+        from closedloop.artifacts import prune_artifacts
+
+        rep = prune_artifacts(older_than=args.older_than)
+        print(f"deleted {rep.removed} artifact(s) ({rep.freed_bytes / 2**20:.1f} MiB) older than {args.older_than}")
     return 0
 
 
@@ -219,4 +224,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     prune = runs_sub.add_parser("prune", parents=[common], help="delete finished runs older than a duration")
     prune.add_argument("--older-than", required=True, type=parse_duration, metavar="DURATION",
                        help="e.g. 30d, 12h, 90m, 45s")
+    prune.add_argument("--artifacts", action="store_true",
+                       help="also delete tool artifacts older than the duration (the artifacts directory)")
     prune.set_defaults(func=cmd_prune)

@@ -93,3 +93,15 @@ def test_saving_past_the_budget_prunes_automatically(tmp_path, monkeypatch):
         os.utime(ref.path, (old + i, old + i))
     total = sum(p.stat().st_size for p in tmp_path.iterdir())
     assert total <= 3 * 2**20 + 2**20  # at most one save past the budget before the next check
+
+
+def test_runs_prune_also_prunes_artifacts(tmp_path, monkeypatch, capsys):
+    from closedloop.cli import main
+
+    monkeypatch.setenv("CLOSEDLOOP_ARTIFACTS", str(tmp_path / "arts"))
+    old, new = save_array(np.zeros(100), prefix="old"), save_array(np.zeros(100), prefix="new")
+    past = time.time() - 3 * 86400
+    os.utime(old.path, (past, past))
+    assert main(["runs", "prune", "--older-than", "1d", "--artifacts", "--store", str(tmp_path / "r.duckdb")]) == 0
+    assert "deleted 1 artifact(s)" in capsys.readouterr().out
+    assert not os.path.exists(old.path) and os.path.exists(new.path)
