@@ -165,30 +165,37 @@ def main() -> None:
             ("our model node + ToolNode", toolnode_graph(args.turns, "ours")),
             ("LangChain chat model + ToolNode", toolnode_graph(args.turns, "chat"))]
 
-    async def measure() -> dict[str, list[float]]:
+    async def measure() -> tuple[dict[str, list[float]], dict[str, list[float]]]:
         steps = 2 * args.turns - 1
-        samples: dict[str, list[float]] = {name: [] for name, _ in rows}
+        wall: dict[str, list[float]] = {name: [] for name, _ in rows}
+        cpu: dict[str, list[float]] = {name: [] for name, _ in rows}
         for rep in range(args.repeats + 3):  # interleaved: each round runs every graph once
             for name, (graph, make_input, _) in rows:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 out = await graph.ainvoke(make_input())
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 if len(out["messages"]) != steps + 1:
                     raise RuntimeError(f"{name}: expected {steps + 1} messages, got {len(out['messages'])}")
                 if rep >= 3:  # the first rounds warm up
-                    samples[name].append(dt / steps * 1e6)
-        return samples
+                    wall[name].append(dt / steps * 1e6)
+                    cpu[name].append(dc / steps * 1e6)
+        return wall, cpu
 
-    samples = asyncio.run(measure())
-    results = {name: statistics.median(v) for name, v in samples.items()}
-    table = Table(title=f"per-step overhead, {args.turns} model turns, median of {args.repeats} (interleaved)")
+    wall, cpu = asyncio.run(measure())
+    results = {name: statistics.median(v) for name, v in wall.items()}
+    cpu_us = {name: statistics.median(v) for name, v in cpu.items()}
+    table = Table(title=f"per-step overhead, {args.turns} model turns, median of {args.repeats} (interleaved); "
+                        f"CPU = this process's CPU time (all threads), steadier than wall time on a loaded machine")
     table.add_column("graph")
-    table.add_column("µs / super-step", justify="right")
-    table.add_column("ratio vs raw", justify="right")
-    table.add_column("ratio vs raw + ToolNode", justify="right")
-    base, base_tn = results["raw langgraph"], results["raw + ToolNode"]
+    table.add_column("wall µs / step", justify="right")
+    table.add_column("vs raw", justify="right")
+    table.add_column("vs raw + ToolNode", justify="right")
+    table.add_column("CPU µs / step", justify="right")
+    table.add_column("CPU vs raw", justify="right")
+    base, base_tn, base_cpu = results["raw langgraph"], results["raw + ToolNode"], cpu_us["raw langgraph"]
     for name, us in results.items():
-        table.add_row(name, f"{us:,.0f}", f"{us / base:.2f}×", f"{us / base_tn:.2f}×")
+        table.add_row(name, f"{us:,.0f}", f"{us / base:.2f}×", f"{us / base_tn:.2f}×", f"{cpu_us[name]:,.0f}",
+                      f"{cpu_us[name] / base_cpu:.2f}×")
     Console().print(table)
     ours, chat = results["our model node + ToolNode"], results["LangChain chat model + ToolNode"]
     Console().print(f"LangChain chat-model path vs our model node (same graph): {chat - ours:+,.0f} µs/step "
