@@ -368,7 +368,10 @@ class Tool:
         artifacts.mkdir(parents=True, exist_ok=True)
         from closedloop.paths import ROOTS_ENV, working_roots
 
-        env = {k: v for k, v in os.environ.items() if k.startswith("CLOSEDLOOP_") or k in _CHILD_ENV}
+        from closedloop.store.redact import is_sensitive_key
+
+        env = {k: v for k, v in os.environ.items()
+               if (k.startswith("CLOSEDLOOP_") or k in _CHILD_ENV) and not is_sensitive_key(k)}
         env.update({"CLOSEDLOOP_ARTIFACTS": str(artifacts), "CLOSEDLOOP_HOME": str(settings.home.resolve()),
                     ROOTS_ENV: os.pathsep.join(str(r) for r in working_roots())})
         wall = self.timeout_s or 24 * 3600.0
@@ -412,8 +415,9 @@ class _CallFailed(_ArgError):
     """A call that ran (or was refused to run) and failed in a way reported with its own kind."""
 
 
-# Variables a sandboxed tool still sees (the sandbox scrubs the environment).
-_CHILD_ENV = ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "OPENAI_BASE_URL", "OPENAI_API_KEY")
+# Variables a sandboxed tool still sees besides CLOSEDLOOP_* (the sandbox scrubs the environment;
+# no credentials: it has no network either).
+_CHILD_ENV = ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 class _StillRunning:
