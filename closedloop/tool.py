@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from closedloop.messages import ToolCall, ToolMessage
 
 __all__ = ["Tool", "ToolResult", "ToolRegistry", "tool", "ToolDefinitionError", "DEFAULT_REGISTRY", "ArgumentLimits",
-           "Isolation", "still_running"]
+           "Isolation", "still_running", "parse_arguments", "ToolArgumentError"]
 
 Isolation = Literal["inline", "thread", "process"]
 # A tool's memory ceiling when it names none: the process sandbox's address-space limit, and the
@@ -409,6 +409,27 @@ class _ArgError(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
+
+
+ToolArgumentError = _ArgError  # public name: ``.kind`` ("malformed_json" | "invalid_arguments"), ``.message``
+
+
+def parse_arguments(arguments: str | bytes | dict[str, Any] | None,
+                    limits: ArgumentLimits | None = None) -> dict[str, Any]:
+    """Arguments as a JSON object after the checks :meth:`Tool.run` applies before validation
+    (size, depth, huge integers, NaN/Infinity), for callers with their own calling convention
+    (e.g. a benchmark's toolkit). Raises :data:`ToolArgumentError` with a message for the model."""
+    limits = limits or ArgumentLimits()
+    if arguments is None or arguments == "":
+        arguments = {}
+    if isinstance(arguments, (bytes, bytearray)):
+        arguments = bytes(arguments).decode("utf-8", "replace")
+    if isinstance(arguments, str):
+        arguments = _parse_arguments(arguments, limits, {"type": "object"})
+    if not isinstance(arguments, dict):
+        raise _ArgError("invalid_arguments", f"arguments must be a JSON object, got {type(arguments).__name__}")
+    _check_tree(arguments, limits)
+    return arguments
 
 
 class _CallFailed(_ArgError):

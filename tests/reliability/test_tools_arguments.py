@@ -97,3 +97,15 @@ async def test_out_of_domain_parameters_are_refused_before_the_call(registry, tm
     # in-domain values still work
     ok = await registry.get("compatibility_certificate").run({"d0": d0, "d1": d1, "tol": 1e-9})
     assert ok.ok and json.loads(ok.content)["compatible"] is True
+
+
+def test_parse_arguments_serves_callers_with_their_own_convention():
+    from closedloop.tool import ToolArgumentError, parse_arguments
+
+    assert parse_arguments('{"a": 1}') == {"a": 1} and parse_arguments(None) == {}
+    for raw, kind in (('{"a": ' + "[" * 3000 + "]" * 3000 + "}", "invalid_arguments"),
+                      ('{"a": ' + "9" * 5000 + "}", "invalid_arguments"), ("{", "malformed_json"),
+                      ("[1]", "invalid_arguments")):
+        with pytest.raises(ToolArgumentError) as info:
+            parse_arguments(raw)
+        assert info.value.kind == kind
