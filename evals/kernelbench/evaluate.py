@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from closedloop.sandbox import SandboxLimits, SandboxResult, arun_sandboxed
+from closedloop.evals.harness.runner import ResourceSlots
 from closedloop.evals.kernelbench.policy import check_policy
 from closedloop.evals.kernelbench.problems import Problem, scale_source
 
@@ -171,9 +172,36 @@ def _limits(cfg: KernelEvalConfig, staging: str) -> SandboxLimits:
 class KernelEvaluator:
     """Evaluates candidates for problems under one config (cache, limits, scale, policy)."""
 
-    def __init__(self, config: KernelEvalConfig | None = None):
+    def __init__(self, config: KernelEvalConfig | None = None, *, slots: ResourceSlots | None = None):
         self.config = config or KernelEvalConfig()
         self.config.cache_path().mkdir(parents=True, exist_ok=True)
+        # Builds run in parallel; timing holds the device's one slot (shared across evaluators
+        # when the caller passes the same ``slots``), so timings never compete for cores.
+        self.slots = slots or ResourceSlots({self.device_slot: 1})
+        self._compile_sem = asyncio.Semaphore(max(1, self.config.compile_workers))
+
+    @property
+    def device_slot(self) -> str:
+        return "cpu-timing" if self.config.backend == "cpu" else "gpu0"
+
+    def _memo_path(self, code: str) -> Path:
+        key = hashlib.sha256((self.config.backend + "\0" + code).encode()).hexdigest()[:24]
+        return self.config.cache_path() / "candidates" / f"{key}.json"
+
+    def _known_built(self, code: str) -> bool:
+        """This exact candidate compiled before and every build it used is still in the cache."""
+        try:
+            keys = json.loads(self._memo_path(code).read_text())["builds"]
+        except (OSError, ValueError, KeyError):
+            return False
+        return all((self.config.cache_path() / k / "ok").exists() for k in keys)
+
+    def _remember_built(self, code: str, builds: list[dict[str, Any]]) -> None:
+        p = self._memo_path(code)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"builds": [b["key"] for b in builds]}))
+        os.replace(tmp, p)
 
     def _base(self, problem: Problem, code: str, sample_id: int) -> tuple[KernelResult, str]:
         scaled, changed = scale_source(problem.code, self.config.scale)
@@ -249,8 +277,11 @@ class KernelEvaluator:
         res, scaled = self._base(problem, code, sample_id)
         if not self._precheck(res, code):
             return res
-        sb, _ = await self._phase(scaled, code, "compile")
+        async with self._compile_sem:
+            sb, _ = await self._phase(scaled, code, "compile")
         self._fold(res, sb, "compile")
+        if res.status == "compiled":
+            self._remember_built(code, res.builds)
         return res
 
     async def aevaluate(self, problem: Problem, code: str, sample_id: int = 0, *, profile: bool = False) -> KernelResult:
@@ -258,7 +289,12 @@ class KernelEvaluator:
         res, scaled = self._base(problem, code, sample_id)
         if not self._precheck(res, code):
             return res
-        sb, _ = await self._phase(scaled, code, "profile" if profile else "eval")
+        if not self._known_built(code):  # build first, in parallel with other builds, off the device slot
+            built = await self.acompile(problem, code, sample_id)
+            if built.status != "compiled":
+                return built
+        async with self.slots.hold(self.device_slot):
+            sb, _ = await self._phase(scaled, code, "profile" if profile else "eval")
         self._fold(res, sb, "eval")
         if self.config.backend != "cpu":
             res.timed = False
@@ -269,17 +305,18 @@ class KernelEvaluator:
         return res
 
     def evaluate(self, problem: Problem, code: str, sample_id: int = 0, *, profile: bool = False) -> KernelResult:
-        return asyncio.run(self.aevaluate(problem, code, sample_id, profile=profile))
+        """Blocking :meth:`aevaluate` (its own event loop; the evaluator's semaphores are renewed
+        for it, since asyncio primitives belong to one loop)."""
+        async def go() -> KernelResult:
+            self._compile_sem = asyncio.Semaphore(max(1, self.config.compile_workers))
+            self.slots = ResourceSlots(self.slots.limits)
+            return await self.aevaluate(problem, code, sample_id, profile=profile)
+
+        return asyncio.run(go())
 
     async def aevaluate_many(self, items: list[tuple[Problem, str, int]], *, progress=None) -> list[KernelResult]:
         """Compile all in parallel (``compile_workers`` at a time), then evaluate serially."""
-        sem = asyncio.Semaphore(max(1, self.config.compile_workers))
-
-        async def build(item):
-            async with sem:
-                return await self.acompile(*item)
-
-        built = await asyncio.gather(*(build(it) for it in items))
+        built = await asyncio.gather(*(self.acompile(*it) for it in items))
         out: list[KernelResult] = []
         for item, b in zip(items, built):
             if b.status != "compiled":

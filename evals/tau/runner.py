@@ -3,7 +3,9 @@
 Why it is shaped this way:
 
 * **Concurrency** is a pool of ``concurrency`` asyncio workers pulling episodes (trial-major, as
-  tau2 does, so an interrupted run has whole early trials). Model calls overlap; the CPU-bound
+  tau2 does, so an interrupted run has whole early trials); the pool, the serialised writes and
+  the settings-change refusal are the benchmark-independent :mod:`closedloop.evals.harness`,
+  and an evaluation name is claimed by one live process at a time (``EvalClaim``). Model calls overlap; the CPU-bound
   parts (DB replays in grading) run on the loop and do not.
 * **Crash safety**: an episode is written to the run store in one transaction only once it has
   ended and been graded (:func:`~closedloop.evals.tau.eval_store.record_episode`). A SIGKILL loses
@@ -31,6 +33,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
+from closedloop.evals.harness import BatchRunner, EvalBusyError, EvalClaim, settings_differences
 from closedloop.evals.tau.agents import AgentFactory
 from closedloop.evals.tau.data import DomainData
 from closedloop.evals.tau.data_model import Task
@@ -93,8 +96,7 @@ class EvalSettings(BaseModel):
         return trial_seeds(self.seed, self.trials)
 
     def differences(self, stored: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-        mine = self.model_dump(mode="json")
-        return {k: (stored.get(k), mine.get(k)) for k in RESUME_KEYS if stored.get(k) != mine.get(k)}
+        return settings_differences(stored, self.model_dump(mode="json"), RESUME_KEYS)
 
 
 @dataclass
@@ -198,8 +200,6 @@ class TauRunner:
         self.agents, self.user_for, self.judge, self.guidelines = agents, user_for, judge, guidelines
         self.on_episode, self.on_plan = on_episode, on_plan
         self.parent_id: str | None = None
-        self._write_lock = asyncio.Lock()
-        self._writes: set[asyncio.Task] = set()
         self._seeds = settings.seeds
         self._ran = 0
 
@@ -280,35 +280,27 @@ class TauRunner:
             return await evaluate(sim, task, self.data.make_environment, self.judge)
         return await asyncio.to_thread(lambda: asyncio.run(evaluate(sim, task, self.data.make_environment, None)))
 
-    async def _write(self, sim: SimulationRun, progress: EvalProgress) -> None:
-        async with self._write_lock:
-            await asyncio.to_thread(record_episode, self.store, self.parent_id, sim, eval_name=self.settings.name,
-                                    graph=self.settings.agent, model_spec=self.settings.model)
-        self._ran += 1
-        progress.add(sim)
-        if self.on_episode is not None:
-            self.on_episode(sim, progress)
-
-    async def _worker(self, queue: list[tuple[Task, int]], progress: EvalProgress) -> None:
-        """Runs episodes one after another; each one's write overlaps the next episode (one
-        outstanding write per worker, so a slow store holds the workers back instead of piling up)."""
-        pending: asyncio.Task | None = None
-        while queue:
-            task, trial = queue.pop(0)
-            sim = await self._episode(task, trial)
-            if pending is not None:
-                await asyncio.shield(pending)  # a cancelled worker still lets its finished episode land
-            pending = asyncio.ensure_future(self._write(sim, progress))
-            self._writes.add(pending)
-            pending.add_done_callback(self._writes.discard)
-        if pending is not None:
-            await asyncio.shield(pending)
+    def _record(self, sim: SimulationRun) -> None:
+        record_episode(self.store, self.parent_id, sim, eval_name=self.settings.name, graph=self.settings.agent,
+                       model_spec=self.settings.model)
 
     # ------------------------------------------------------------------ the evaluation
 
     async def run(self, *, resume: bool = False) -> EvalReport:
         """Run the missing episodes; the parent ends ``completed``, or ``interrupted`` on
-        cancellation/Ctrl-C, or ``failed`` on an unexpected error (then the error propagates)."""
+        cancellation/Ctrl-C, or ``failed`` on an unexpected error (then the error propagates).
+        Refused (``EvalConfigError``) while another live process runs the same evaluation name."""
+        claim = EvalClaim(self.store.path, self.settings.name)
+        try:
+            claim.acquire()
+        except EvalBusyError as e:
+            raise EvalConfigError(str(e)) from None
+        try:
+            return await self._run(resume)
+        finally:
+            claim.release()
+
+    async def _run(self, resume: bool) -> EvalReport:
         start = time.perf_counter()
         s = self.settings
         self.parent_id, records, resumed = await self._open(resume)
@@ -323,14 +315,18 @@ class TauRunner:
                 progress.add(rec.simulation)
         if self.on_plan is not None:
             self.on_plan(progress)
-        workers = [asyncio.ensure_future(self._worker(queue, progress)) for _ in range(min(s.concurrency, len(queue)))]
+
+        def after_write(sim: SimulationRun) -> None:
+            self._ran += 1
+            progress.add(sim)
+            if self.on_episode is not None:
+                self.on_episode(sim, progress)
+
+        batch = BatchRunner(lambda item: self._episode(*item), self._record, concurrency=s.concurrency,
+                            after_write=after_write)
         try:
-            await asyncio.gather(*workers)
+            await batch.run(queue)
         except BaseException as exc:
-            for w in workers:
-                w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
-            await asyncio.gather(*list(self._writes), return_exceptions=True)
             interrupted = isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt))
             status = "interrupted" if interrupted else "failed"
             report = await self._report(status, self._ran, reused, len(plan), start, resumed)

@@ -1,0 +1,143 @@
+"""``closedloop eval kernelbench``: evaluate an agent graph (or candidate files) on KernelBench problems.
+
+    closedloop eval kernelbench --problems DIR --level 1 --backend cpu --agent kernel --model SPEC \\
+        --samples K --concurrency N [--scale 0.015625] [--export eval_results.json] [--plot speedups.png]
+    closedloop eval kernelbench --problems DIR --level 1 --candidates RUN_DIR      # no agent
+
+Results go to the run store (one eval run, one child per sample), so an interrupted run resumes
+with the same ``--name``. Registered through the ``closedloop.benchmarks`` entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import sys
+from datetime import datetime, timezone
+from typing import Any
+
+
+def register(bench: argparse._SubParsersAction) -> None:
+    k = bench.add_parser("kernelbench", help="KernelBench-compatible kernel evaluation (cpu, triton, cuda)",
+                         description=__doc__.splitlines()[0])
+    k.add_argument("--problems", required=True, help="a KernelBench-layout root (level<N>/<id>_<Name>.py), a level dir or a file")
+    k.add_argument("--level", type=int, help="only this level")
+    k.add_argument("--problem-ids", type=int, nargs="+", metavar="ID")
+    k.add_argument("--backend", choices=["cpu", "triton", "cuda"], default="cpu")
+    k.add_argument("--agent", help="a registered graph (e.g. kernel, egg); see `closedloop graphs`")
+    k.add_argument("--model", help="the agent's model spec")
+    k.add_argument("--rounds", type=int, help="agent rounds (passed to the graph)")
+    k.add_argument("--candidates", metavar="DIR", help="evaluate candidate files instead of running an agent "
+                                                       "(level_<L>_problem_<P>_sample_<S>_kernel.py or <id>_<Name>.py)")
+    k.add_argument("--samples", type=int, default=1, help="samples per problem (pass@k)")
+    k.add_argument("--concurrency", type=int, default=2, help="samples in flight (builds run in parallel; timing is serial)")
+    k.add_argument("--scale", type=float, default=1.0, help="scale module-level size constants (e.g. 0.015625 = 1/64)")
+    k.add_argument("--policy", choices=["strict", "lenient", "off"], default="strict")
+    k.add_argument("--trials", type=int, default=5, help="correctness trials")
+    k.add_argument("--tolerance", type=float, default=1e-2, help="atol = rtol (KernelBench v0.1: 1e-2; main fp32: 1e-4)")
+    k.add_argument("--iters", type=int, default=20, help="timed iterations per implementation")
+    k.add_argument("--compile-reference", action="store_true",
+                   help="also time the torch.compile reference (slow on CPU: inductor builds C++)")
+    k.add_argument("--item-timeout", type=float, metavar="S", help="seconds per sample (agent + evaluation)")
+    k.add_argument("--cache-dir", help="kernel build cache (default: $CLOSEDLOOP_KERNEL_CACHE or ~/.cache/closedloop/kernels)")
+    k.add_argument("--store", help="run store file (default: $CLOSEDLOOP_STORE or ~/.closedloop/runs.duckdb)")
+    k.add_argument("--name", help="the evaluation's name; an existing name is resumed")
+    k.add_argument("--resume", action="store_true", help="resume --name (refuse if it does not exist)")
+    k.add_argument("--export", metavar="PATH", help="write KernelBench-style eval_results.json here")
+    k.add_argument("--plot", metavar="PATH", help="write a speedup-distribution plot (PNG) here")
+    k.set_defaults(func=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from closedloop.evals.kernelbench.runner import KernelBenchConfigError
+    from closedloop.plugins import PluginNotFound
+
+    try:
+        return asyncio.run(_run(args))
+    except (KernelBenchConfigError, PluginNotFound, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from closedloop.evals.kernelbench.evaluate import backend_available
+    from closedloop.evals.kernelbench.export import plot_speedups, write_eval_results
+    from closedloop.evals.kernelbench.problems import load_problems
+    from closedloop.evals.kernelbench.runner import KernelBenchRunner, KernelBenchSettings, graph_agent
+    from closedloop.store import RunStore
+
+    if bool(args.agent) == bool(args.candidates):
+        raise ValueError("give either --agent (with --model) or --candidates")
+    if args.agent and not args.model:
+        raise ValueError(f"--agent {args.agent} needs --model")
+    if args.samples < 1 or args.concurrency < 1:
+        raise ValueError("--samples and --concurrency must be at least 1")
+    ok, why = backend_available(args.backend)
+    err = Console(stderr=True, highlight=False)
+    if not ok:
+        err.print(f"[yellow]note[/]: backend {args.backend}: {escape(why)}")
+    problems = load_problems(args.problems, level=args.level, ids=args.problem_ids)
+    sha = hashlib.sha256("".join(p.key + p.hash for p in problems).encode()).hexdigest()[:16]
+    name = args.name or f"kernelbench-{args.backend}-{args.agent or 'candidates'}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    settings = KernelBenchSettings(
+        name=name, problems_dir=str(args.problems), problems_sha=sha, level=args.level, backend=args.backend,
+        scale=args.scale, policy=args.policy, agent=args.agent, model=args.model, rounds=args.rounds,
+        candidates_dir=args.candidates, samples=args.samples, concurrency=args.concurrency,
+        item_timeout_s=args.item_timeout, trials=args.trials, atol=args.tolerance, rtol=args.tolerance,
+        iters=args.iters, compile_reference=args.compile_reference, cache_dir=args.cache_dir)
+    agent = graph_agent(args.agent, args.model, backend=args.backend, rounds=args.rounds) if args.agent else None
+    store = RunStore(args.store) if args.store else RunStore()
+    progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("correct {task.fields[correct]}"), TimeElapsedColumn(), console=err)
+    bar: dict[str, Any] = {"correct": 0}
+
+    def on_plan(total: int, reused: int) -> None:
+        bar["id"] = progress.add_task(f"kernelbench {args.backend}", total=total, completed=reused, correct="-")
+
+    def on_sample(so) -> None:
+        if so.result is not None and so.result.correct:
+            bar["correct"] += 1
+        progress.update(bar["id"], advance=1, correct=bar["correct"])
+
+    runner = KernelBenchRunner(settings, problems, store, agent=agent, on_sample=on_sample, on_plan=on_plan)
+    try:
+        with progress:
+            report = await runner.run(resume=args.resume)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        err.print(f"[yellow]interrupted[/]: finished samples are stored; resume with [bold]--name {escape(name)}[/]")
+        raise KeyboardInterrupt from None
+    finally:
+        client = getattr(agent, "client", None)
+        if client is not None:
+            await client.aclose()
+    out = Console(width=None if sys.stdout.isatty() else 120, highlight=False)
+    s = report.summary
+    table = Table(title=escape(f"KernelBench {report.name}" + (" (resumed)" if report.resumed else "")),
+                  show_header=False, caption=escape(f"run {report.parent_id} in {store.path}"))
+    table.add_row("samples", f"{len(report.results)} graded of {report.total} (ran {report.ran}, from store "
+                             f"{report.reused}) in {report.wall_s:.1f}s; scale {settings.scale:g}")
+    table.add_row("outcomes", ", ".join(f"{k}: {v}" for k, v in sorted(report.outcomes.items())) or "-")
+    table.add_row("statuses", ", ".join(f"{k}: {v}" for k, v in s["statuses"].items()) or "-")
+    table.add_row("fast_p", "  ".join(f"{k}={v:.3f}" for k, v in s["fast_p"].items()))
+    gm = s.get("geomean_speedup")
+    table.add_row("geomean speedup", "-" if gm is None else f"{gm:.3f}x over eager torch (correct samples)")
+    for key in (k for k in s if k.startswith("pass@")):
+        table.add_row(key, "-" if s[key] is None else f"{s[key]:.3f}")
+    if s["suspicious"]:
+        table.add_row("suspicious", f"{len(s['suspicious'])} (excluded from fast_p until reviewed)")
+    out.print(table)
+    for e in report.errors[:10]:
+        out.print(f"  [red]{e['outcome']}[/] {escape(e['problem'])} sample {e['sample_id']}: {escape(str(e['error'])[:200])}")
+    if args.export:
+        paths = write_eval_results(report.results, args.export)
+        out.print("exported " + ", ".join(escape(str(p)) for p in paths.values()))
+    if args.plot:
+        p = plot_speedups(report.results, args.plot)
+        out.print(f"plot: {escape(str(p))}" if p else "plot: matplotlib is not installed; nothing written")
+    return 0

@@ -1,0 +1,314 @@
+"""Batch KernelBench evaluation into the run store: resumable, claimed, concurrent.
+
+One ``eval`` parent run per evaluation name (tag ``eval:<name>``), one ``kernel_sample`` child per
+(problem, sample) written when its verdict exists. Samples come from an agent graph (the
+``closedloop.graphs`` entry point named by ``agent``, e.g. ``kernel`` or ``egg``, with
+``evaluate_kernel``/``profile_kernel`` tools bound to the problem) or from candidate files
+(KernelBench's ``level_<L>_problem_<P>_sample_<S>_kernel.py``, or ``<id>_<Name>.py`` for sample 0).
+
+Outcomes (``closedloop.evals.harness.Outcome``): ``graded`` (the kernel got a verdict, whatever it
+is), ``agent_error`` (no code, or the agent failed), ``infra_error`` (the harness or the problem
+failed; run again on resume), ``timeout`` (the item exceeded ``item_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel, Field
+
+from closedloop.evals.harness import BatchRunner, EvalBusyError, EvalClaim, ResourceSlots, settings_differences
+from closedloop.evals.kernelbench.evaluate import KernelEvalConfig, KernelEvaluator, KernelResult
+from closedloop.evals.kernelbench.metrics import summarize
+from closedloop.evals.kernelbench.problems import Problem
+from closedloop.messages import Trajectory
+
+EVAL_KIND = "eval"
+SAMPLE_KIND = "kernel_sample"
+RESUME_KEYS = ("benchmark", "problems_sha", "backend", "scale", "policy", "agent", "model", "candidates_dir", "seed",
+               "trials", "atol", "rtol", "rounds")
+
+
+class KernelBenchConfigError(ValueError):
+    """Bad settings, a resume with other settings, or a name another live process is running."""
+
+
+class KernelBenchSettings(BaseModel):
+    """Everything that defines a KernelBench evaluation; stored as the parent run's config."""
+
+    name: str
+    benchmark: str = "kernelbench"
+    problems_dir: str | None = None
+    problems_sha: str = ""
+    level: int | None = None
+    backend: str = "cpu"
+    scale: float = 1.0
+    policy: str = "strict"
+    agent: str | None = None
+    model: str | None = None
+    rounds: int | None = None
+    candidates_dir: str | None = None
+    samples: int = Field(1, ge=1)
+    concurrency: int = Field(1, ge=1)
+    item_timeout_s: float | None = None
+    seed: int = 42
+    trials: int = 5
+    atol: float = 1e-2
+    rtol: float = 1e-2
+    warmup: int = 3
+    iters: int = 20
+    compile_reference: bool = False
+    cache_dir: str | None = None
+
+    def eval_config(self) -> KernelEvalConfig:
+        return KernelEvalConfig(backend=self.backend, scale=self.scale, policy=self.policy, seed=self.seed,
+                                trials=self.trials, atol=self.atol, rtol=self.rtol, warmup=self.warmup, iters=self.iters,
+                                compile_reference=self.compile_reference, cache_dir=self.cache_dir)
+
+
+@dataclass
+class SampleOutcome:
+    problem: Problem
+    sample_id: int
+    outcome: str
+    result: KernelResult | None
+    code: str | None = None
+    error: str | None = None
+    trajectory: Trajectory | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.problem.key, self.sample_id)
+
+
+@dataclass
+class KernelBenchReport:
+    parent_id: str
+    name: str
+    status: str
+    results: list[KernelResult]
+    outcomes: dict[str, int]
+    summary: dict[str, Any]
+    ran: int
+    reused: int
+    total: int
+    wall_s: float
+    resumed: bool = False
+    errors: list[dict[str, Any]] = field(default_factory=list)
+
+
+def candidate_file(root: str | Path, problem: Problem, sample_id: int) -> Path | None:
+    """KernelBench's generation file name, else ``<root>/[level<N>/]<id>_<Name>.py`` for sample 0."""
+    root = Path(root)
+    names = [root / f"level_{problem.level}_problem_{problem.problem_id}_sample_{sample_id}_kernel.py"]
+    if sample_id == 0:
+        names += [root / f"level{problem.level}" / problem.name, root / problem.name]
+    return next((p for p in names if p.is_file()), None)
+
+
+AgentRunner = Callable[[Problem, int, KernelEvaluator], Any]  # async -> (code | None, Trajectory | None)
+
+
+def graph_agent(agent: str, model: Any, *, backend: str = "cpu", rounds: int | None = None) -> AgentRunner:
+    """Runs the registered graph ``agent`` with ``model`` (a spec or a ``ModelClient``) on a problem,
+    with ``evaluate_kernel``/``profile_kernel`` bound to it; returns (final code, trajectory)."""
+    from closedloop.evals.kernelbench.tools import make_kernel_tools
+    from closedloop.models import make_client
+    from closedloop.plugins import load
+    from closedloop.runtime.convert import as_closedloop
+
+    factory = load("closedloop.graphs", agent)
+    client = make_client(model) if isinstance(model, str) else model
+
+    async def run(problem: Problem, sample_id: int, evaluator: KernelEvaluator):
+        tools = make_kernel_tools(problem, backend, config=evaluator.config)
+        kwargs: dict[str, Any] = {"backend": backend}
+        if rounds is not None:
+            kwargs["rounds"] = rounds
+        graph = factory(client, tools, **kwargs)
+        state = await graph.ainvoke({"problem": problem.code}, config={"recursion_limit": 200})
+        traj = Trajectory(messages=as_closedloop(state.get("messages", [])), turns=list(state.get("turns", [])),
+                          metadata={"agent": agent, "problem": problem.key, "sample": sample_id})
+        return state.get("final_code"), traj
+
+    run.client = client  # type: ignore[attr-defined]
+    return run
+
+
+class KernelBenchRunner:
+    """Runs (or resumes) one named KernelBench evaluation against a run store."""
+
+    def __init__(self, settings: KernelBenchSettings, problems: list[Problem], store: Any, *,
+                 agent: AgentRunner | None = None, on_sample: Callable[[SampleOutcome], None] | None = None,
+                 on_plan: Callable[[int, int], None] | None = None):
+        if not problems:
+            raise KernelBenchConfigError("no problems to run")
+        if agent is None and settings.candidates_dir is None:
+            raise KernelBenchConfigError("give an agent (graph + model) or a candidates directory")
+        self.settings, self.problems, self.store = settings, problems, store
+        self.agent, self.on_sample, self.on_plan = agent, on_sample, on_plan
+        self.slots = ResourceSlots({"cpu-timing": 1, "gpu0": 1})
+        self.evaluator = KernelEvaluator(settings.eval_config(), slots=self.slots)
+        self.parent_id: str | None = None
+
+    # ---------------------------------------------------------------- store
+    def _find(self):
+        runs = self.store.list_runs(limit=None, kind=EVAL_KIND, tag=f"eval:{self.settings.name}")
+        return runs[0] if runs else None
+
+    def _open(self, resume: bool) -> tuple[str, dict[tuple[str, int], dict], bool]:
+        s = self.settings
+        config = s.model_dump(mode="json")
+        existing = self._find()
+        if existing is None:
+            if resume:
+                raise KernelBenchConfigError(f"no evaluation named {s.name!r} in {self.store.path} to resume")
+            rid = self.store.start_run(kind=EVAL_KIND, graph=s.agent, model_spec=s.model, config=config,
+                                       tags=[f"eval:{s.name}", "benchmark:kernelbench"], metadata={"name": s.name})
+            return rid, {}, False
+        diff = settings_differences(existing.config, config, RESUME_KEYS)
+        if diff:
+            lines = ", ".join(f"{k}: stored {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+            raise KernelBenchConfigError(f"evaluation {s.name!r} exists with other settings ({lines}); "
+                                         "use another --name or the same settings")
+        self.store.reopen_run(existing.id, config)
+        return existing.id, self._stored(existing.id), True
+
+    def _stored(self, parent_id: str) -> dict[tuple[str, int], dict]:
+        """Latest good record per (problem, sample); infra errors are kept only if nothing better."""
+        best: dict[tuple[str, int], dict] = {}
+        runs = sorted(self.store.list_runs(limit=None, parent_id=parent_id, kind=SAMPLE_KIND), key=lambda r: r.started_at)
+        for run in runs:
+            out = run.outcome or {}
+            key = (out.get("problem"), out.get("sample_id"))
+            if key[0] is None:
+                continue
+            prev = best.get(key)
+            if prev is None or prev["outcome"] == "infra_error" or out.get("outcome") != "infra_error":
+                best[key] = out
+        return best
+
+    def _record(self, so: SampleOutcome) -> None:
+        res = so.result.model_dump(mode="json") if so.result is not None else None
+        rewards = {}
+        if so.result is not None:
+            rewards = {"correct": float(so.result.correct), "speedup": float(so.result.speedup or 0.0)}
+        outcome = {"problem": so.problem.key, "sample_id": so.sample_id, "outcome": so.outcome, "result": res,
+                   "code": so.code, "error": so.error, "rewards": rewards}
+        traj = so.trajectory or Trajectory(messages=[], metadata={"problem": so.problem.key})
+        self.store.record_trajectory(traj, kind=SAMPLE_KIND, status="failed" if so.outcome == "infra_error" else "completed",
+                                     graph=self.settings.agent, model_spec=self.settings.model,
+                                     config={"eval": self.settings.name, "problem": so.problem.key,
+                                             "sample_id": so.sample_id},
+                                     tags=[f"problem:{so.problem.key}", f"sample:{so.sample_id}"], outcome=outcome,
+                                     parent_id=self.parent_id, error=so.error)
+
+    # ---------------------------------------------------------------- one sample
+    async def _sample(self, item: tuple[Problem, int]) -> SampleOutcome:
+        problem, sample_id = item
+        traj = None
+        if self.agent is not None:
+            try:
+                code, traj = await self.agent(problem, sample_id, self.evaluator)
+            except (OSError, ConnectionError) as e:
+                return SampleOutcome(problem, sample_id, "infra_error", None, error=f"model: {type(e).__name__}: {e}")
+            except Exception as e:  # noqa: BLE001 - the agent's own failure
+                return SampleOutcome(problem, sample_id, "agent_error", None, error=f"{type(e).__name__}: {e}")
+        else:
+            path = candidate_file(self.settings.candidates_dir, problem, sample_id)
+            if path is None:
+                return SampleOutcome(problem, sample_id, "agent_error", None,
+                                     error=f"no candidate file for {problem.key} sample {sample_id}")
+            code = path.read_text()
+        if not code:
+            return SampleOutcome(problem, sample_id, "agent_error", None, error="the agent produced no code",
+                                 trajectory=traj)
+        result = await self.evaluator.aevaluate(problem, code, sample_id)
+        outcome = "infra_error" if result.status == "reference_error" else "graded"
+        return SampleOutcome(problem, sample_id, outcome, result, code=code, trajectory=traj,
+                             error=result.message if outcome == "infra_error" else None)
+
+    # ---------------------------------------------------------------- the evaluation
+    async def run(self, *, resume: bool = False) -> KernelBenchReport:
+        claim = EvalClaim(self.store.path, self.settings.name)
+        try:
+            claim.acquire()
+        except EvalBusyError as e:
+            raise KernelBenchConfigError(str(e)) from None
+        try:
+            return await self._run(resume)
+        finally:
+            claim.release()
+
+    async def _run(self, resume: bool) -> KernelBenchReport:
+        start = time.perf_counter()
+        s = self.settings
+        self.parent_id, stored, resumed = await asyncio.to_thread(self._open, resume)
+        plan = [(p, k) for k in range(s.samples) for p in self.problems]
+        done = {key for key, out in stored.items() if out.get("outcome") != "infra_error"}
+        queue = [(p, k) for p, k in plan if (p.key, k) not in done]
+        if self.on_plan is not None:
+            self.on_plan(len(plan), len(plan) - len(queue))
+        ran = {"n": 0}
+
+        def after(so: SampleOutcome) -> None:
+            ran["n"] += 1
+            if self.on_sample is not None:
+                self.on_sample(so)
+
+        def on_timeout(item, exc) -> SampleOutcome:
+            return SampleOutcome(item[0], item[1], "timeout", None, error=f"exceeded {s.item_timeout_s:g} s")
+
+        def on_error(item, exc) -> SampleOutcome:
+            return SampleOutcome(item[0], item[1], "infra_error", None, error=f"harness: {type(exc).__name__}: {exc}")
+
+        batch = BatchRunner(self._sample, self._record, concurrency=s.concurrency, item_timeout_s=s.item_timeout_s,
+                            on_timeout=on_timeout, on_error=on_error, after_write=after)
+        try:
+            await batch.run(queue)
+        except BaseException as exc:
+            interrupted = isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt))
+            status = "interrupted" if interrupted else "failed"
+            report = await asyncio.to_thread(self._report, status, ran["n"], len(plan) - len(queue), len(plan), start,
+                                             resumed)
+            await asyncio.to_thread(self.store.finish_run, self.parent_id, status, {"summary": report.summary},
+                                    None if interrupted else exc)
+            raise
+        report = await asyncio.to_thread(self._report, "completed", ran["n"], len(plan) - len(queue), len(plan), start,
+                                         resumed)
+        rewards = {k: v for k, v in report.summary["fast_p"].items()}
+        if report.summary.get("geomean_speedup") is not None:
+            rewards["geomean_speedup"] = report.summary["geomean_speedup"]
+        await asyncio.to_thread(self.store.finish_run, self.parent_id, "completed",
+                                {"summary": report.summary, "rewards": rewards})
+        return report
+
+    def stored_results(self) -> tuple[list[KernelResult], dict[str, int], list[dict[str, Any]]]:
+        if self.parent_id is None:
+            raise RuntimeError("the evaluation has not been opened")
+        planned = {(p.key, k) for p in self.problems for k in range(self.settings.samples)}
+        results, outcomes, errors = [], {}, []
+        for key, out in sorted(self._stored(self.parent_id).items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+            if key not in planned:
+                continue
+            outcomes[out["outcome"]] = outcomes.get(out["outcome"], 0) + 1
+            if out.get("result"):
+                results.append(KernelResult.model_validate(out["result"]))
+            if out.get("error"):
+                errors.append({"problem": key[0], "sample_id": key[1], "outcome": out["outcome"], "error": out["error"]})
+        return results, outcomes, errors
+
+    def _report(self, status: str, ran: int, reused: int, total: int, start: float, resumed: bool) -> KernelBenchReport:
+        results, outcomes, errors = self.stored_results()
+        ks = [k for k in (1, 5, 10) if k <= self.settings.samples]
+        summary = summarize(results, num_problems=len(self.problems), ks=ks)
+        summary["outcomes"] = outcomes
+        summary["scale"] = self.settings.scale
+        summary["backend"] = self.settings.backend
+        return KernelBenchReport(parent_id=self.parent_id or "", name=self.settings.name, status=status,
+                                 results=results, outcomes=outcomes, summary=summary, ran=ran, reused=reused,
+                                 total=total, wall_s=time.perf_counter() - start, resumed=resumed, errors=errors)

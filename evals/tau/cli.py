@@ -1,0 +1,246 @@
+"""``closedloop eval tau``: run (or resume) a τ-bench evaluation into the run store.
+
+Registered through the ``closedloop.benchmarks`` entry point ``tau`` (the core CLI imports no
+benchmark).
+
+The evaluation is recorded as one ``eval`` run with one child run per episode, written as each
+episode ends, so a crash or Ctrl-C loses only the episodes in flight: rerun with the same
+``--name`` (or ``--resume``) and only the missing episodes run. ``--export`` writes tau2's
+results.json from the store, so an export after a resume holds every episode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+from rich.table import Table
+
+SCENARIO_USER = "scenario"
+
+
+def register(bench: argparse._SubParsersAction) -> None:
+    """Add ``tau`` to the ``closedloop eval`` benchmark subparsers (entry point ``closedloop.benchmarks``)."""
+    t = bench.add_parser("tau", help="τ²-bench (tau2-compatible): run, resume and export an evaluation",
+                         description=__doc__.splitlines()[0])
+    t.add_argument("--domain", default="retail")
+    t.add_argument("--split", default="base", help="task split from split_tasks.json ('base' = all tasks)")
+    t.add_argument("--data-dir", help="τ data root holding tau2/domains/<domain>/ (default: $TAU2_DATA_DIR)")
+    t.add_argument("--task-ids", nargs="+", metavar="ID", help="run only these tasks of the split")
+    t.add_argument("--agent", required=True, help="a registered graph (see `closedloop graphs`) or 'oracle'")
+    t.add_argument("--model", help="the agent's model spec (not needed for --agent oracle)")
+    t.add_argument("--user-model", help=f"the user simulator's model spec, or '{SCENARIO_USER}' for the model-free "
+                                        f"scripted user (the default for --agent oracle)")
+    t.add_argument("--judge-model", help="model spec for NL assertions (without it those tasks are not graded)")
+    t.add_argument("--trials", type=int, default=1, help="trials per task (pass^1..k)")
+    t.add_argument("--concurrency", type=int, default=4, help="episodes run at once")
+    t.add_argument("--max-steps", type=int, default=200)
+    t.add_argument("--max-errors", type=int, default=10)
+    t.add_argument("--episode-timeout", type=float, metavar="S", help="seconds before an episode ends as timeout")
+    t.add_argument("--seed", type=int, default=300, help="master seed; one seed per trial derives from it (tau2)")
+    t.add_argument("--temperature", type=float, default=0.0, help="agent sampling temperature")
+    t.add_argument("--user-temperature", type=float, default=0.0, help="user simulator sampling temperature (tau2: 0)")
+    t.add_argument("--max-tokens", type=int, default=1024, help="agent max tokens per turn")
+    t.add_argument("--clarify", action="store_true", help="clarification-enhanced tasks (one detail withheld)")
+    t.add_argument("--store", help="run store file (default: $CLOSEDLOOP_STORE or ~/.closedloop/runs.duckdb)")
+    t.add_argument("--name", help="the evaluation's name; an existing name is resumed (default: a new name)")
+    t.add_argument("--resume", action="store_true",
+                   help="resume --name, or the latest unfinished evaluation with this domain/split/agent/model")
+    t.add_argument("--export", metavar="PATH", help="write tau2's results.json here when done")
+    t.set_defaults(func=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from closedloop.evals.tau.data import TauDataError
+    from closedloop.evals.tau.runner import EvalConfigError
+    from closedloop.plugins import PluginNotFound
+
+    try:
+        return asyncio.run(_tau(args))
+    except (TauDataError, EvalConfigError, PluginNotFound, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _load_tasks(args: argparse.Namespace):
+    from closedloop.evals.tau import load_domain
+
+    data = load_domain(args.domain, args.data_dir)
+    taskset = data.load_tasks(args.split, task_ids=args.task_ids)
+    tasks = taskset.tasks
+    if args.clarify:
+        try:
+            from closedloop.evals.tau.clarify import make_clarification_tasks
+        except ModuleNotFoundError as e:
+            raise ValueError(f"--clarify needs closedloop.evals.tau.clarify, which is not available ({e})") from None
+        tasks = make_clarification_tasks(tasks, args.seed)
+        if not tasks:
+            raise ValueError("--clarify: none of the selected tasks has a detail that can be withheld")
+    return data, taskset, tasks
+
+
+def _resume_name(store: Any, args: argparse.Namespace) -> str:
+    from closedloop.evals.tau.eval_store import EVAL_KIND
+    from closedloop.evals.tau.runner import EvalConfigError
+
+    for run in store.list_runs(limit=None, kind=EVAL_KIND):  # newest first
+        c = run.config
+        if (run.status != "completed" and c.get("domain") == args.domain and c.get("split") == args.split
+                and c.get("agent") == args.agent and c.get("model") == (None if args.agent == "oracle" else args.model)
+                and run.metadata.get("name")):
+            return run.metadata["name"]
+    raise EvalConfigError(f"--resume: no unfinished {args.domain}/{args.split} evaluation of {args.agent} "
+                          f"in {store.path}; give --name")
+
+
+async def _tau(args: argparse.Namespace) -> int:
+    from closedloop.evals.tau.agents import make_agent_factory
+    from closedloop.evals.tau.data import resolve_data_root
+    from closedloop.evals.tau.orchestrator import load_user_guidelines
+    from closedloop.evals.tau.runner import EvalSettings, TauRunner, export_results
+    from closedloop.models import SamplingParams, make_client, parse_spec
+    from closedloop.store import RunStore
+
+    oracle = args.agent == "oracle"
+    if oracle and args.model:
+        print("note: --agent oracle replays the gold actions; --model is not used", file=sys.stderr)
+    if not oracle and not args.model:
+        raise ValueError(f"--agent {args.agent} needs --model")
+    user_spec = args.user_model or (SCENARIO_USER if oracle else None)
+    if user_spec is None:
+        raise ValueError(f"give --user-model (a model spec, or '{SCENARIO_USER}' for the model-free scripted user)")
+    for spec in (None if oracle else args.model, None if user_spec == SCENARIO_USER else user_spec, args.judge_model):
+        if spec:
+            parse_spec(spec)  # a typo fails before anything is loaded
+    if args.trials < 1 or args.concurrency < 1:
+        raise ValueError("--trials and --concurrency must be at least 1")
+
+    data, taskset, tasks = _load_tasks(args)
+    root = resolve_data_root(args.data_dir)
+    store = RunStore(args.store) if args.store else RunStore()
+    resume = args.resume
+    name = args.name
+    if name is None:
+        if resume:
+            name = _resume_name(store, args)
+        else:
+            name = f"tau-{args.domain}-{args.split}-{args.agent}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    settings = EvalSettings(
+        name=name, domain=args.domain, split=args.split, data_dir=str(root), task_file_sha256=taskset.sha256,
+        task_ids=args.task_ids, agent=args.agent, model=None if oracle else args.model,
+        user_model=None if user_spec == SCENARIO_USER else user_spec, judge_model=args.judge_model,
+        trials=args.trials, concurrency=args.concurrency, max_steps=args.max_steps, max_errors=args.max_errors,
+        episode_timeout_s=args.episode_timeout, seed=args.seed, clarify=args.clarify,
+        temperature=None if oracle else args.temperature, max_tokens=None if oracle else args.max_tokens,
+        user_temperature=args.user_temperature)
+
+    clients: list[Any] = []
+    agent_client = None if oracle else make_client(args.model)
+    user_client = None if settings.user_model is None else make_client(settings.user_model)
+    judge = make_client(args.judge_model) if args.judge_model else None
+    clients = [c for c in (agent_client, user_client, judge) if c is not None]
+
+    factories: dict[int, Any] = {}
+
+    def agents(trial: int):
+        if trial not in factories:
+            params = None if oracle else SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                                        seed=settings.seeds[trial])
+            factories[trial] = make_agent_factory(args.agent, agent_client, params=params)
+        return factories[trial]
+
+    def user_for(task):
+        if user_client is not None:
+            return user_client
+        if args.clarify:
+            from closedloop.evals.tau.clarify import ClarifyingScenarioUser
+
+            return ClarifyingScenarioUser(task)
+        from closedloop.evals.tau.oracle import ScenarioUser
+
+        return ScenarioUser(task)
+
+    err = Console(stderr=True, highlight=False)
+    out = Console(width=None if sys.stdout.isatty() else 120, highlight=False)
+    progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("avg reward {task.fields[avg]}"), TextColumn("infra err {task.fields[infra]}"),
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
+    bar: dict[str, Any] = {}
+
+    def on_plan(p) -> None:
+        bar["id"] = progress.add_task(f"τ {args.domain}/{args.split} {args.agent}", total=p.total, completed=p.done,
+                                      avg=_fmt(p.avg_reward), infra=p.infra_errors)
+
+    def on_episode(sim, p) -> None:
+        progress.update(bar["id"], completed=p.done, avg=_fmt(p.avg_reward), infra=p.infra_errors)
+
+    runner = TauRunner(settings, tasks, data, store, agents=agents, user_for=user_for, judge=judge,
+                       guidelines=load_user_guidelines(root), on_episode=on_episode, on_plan=on_plan)
+    try:
+        with progress:
+            report = await runner.run(resume=resume)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        err.print(f"[yellow]interrupted[/]: finished episodes are stored; resume with "
+                  f"[bold]--name {escape(name)}[/] (eval run {runner.parent_id})")
+        raise KeyboardInterrupt from None
+    finally:
+        for c in clients:
+            await c.aclose()
+    _print_summary(out, report, store)
+    if args.export:
+        n = export_results(store, name, tasks, args.export, git_commit=_git_commit())
+        out.print(f"exported {n} simulations to {escape(str(args.export))}")
+    return 0
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _print_summary(console: Console, report: Any, store: Any) -> None:
+    s, m = report.summary, report.metrics
+    title = f"τ eval {report.name}" + (" (resumed)" if report.resumed else "")
+    table = Table(title=escape(title), show_header=False, caption=escape(f"run {report.parent_id} in {store.path}"))
+    table.add_column("metric", style="bold")
+    table.add_column("value")
+    table.add_row("episodes", f"{len(report.simulations)} of {report.total} (ran {report.ran}, "
+                              f"from store {report.reused}) in {report.wall_s:.1f}s")
+    table.add_row("avg reward", _fmt(m.avg_reward) + f"  over {m.num_trials} graded episodes")
+    for k in sorted(m.num_tasks):
+        value = m.pass_hat_k.get(k)
+        table.add_row(f"pass^{k}", f"{_fmt(value)}  ({m.num_tasks[k]} tasks)")
+    reasons = ", ".join(f"{r}: {n}" for r, n in sorted(s["termination_reasons"].items())) or "-"
+    table.add_row("terminations", escape(reasons))
+    for who, u in s["usage"].items():
+        if u["prompt_tokens"] or u["completion_tokens"]:
+            cost = "" if u["cost_usd"] is None else f"  ${u['cost_usd']:.4f}"
+            table.add_row(f"{who} tokens", f"{u['prompt_tokens']} in / {u['completion_tokens']} out{cost}")
+    table.add_row("cost", "-" if s["cost_usd"] is None else f"${s['cost_usd']:.4f}")
+    table.add_row("ungraded", str(s["ungraded"]) + ("  (no --judge-model, or gold replay incomplete)"
+                                                    if s["ungraded"] else ""))
+    infra = s["infrastructure_errors"]
+    table.add_row("infra errors", f"{len(infra)}  (not counted; re-run on resume)" if infra else "0")
+    console.print(table)
+    for e in infra[:10]:
+        console.print(f"  [red]infra[/] task {escape(str(e['task_id']))} trial {e['trial']}: "
+                      f"{escape(str(e['error'])[:200])}")
+    if len(infra) > 10:
+        console.print(f"  ... and {len(infra) - 10} more")
