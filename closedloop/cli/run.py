@@ -21,7 +21,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.panel import Panel
-from rich.prompt import Confirm
+from rich.prompt import Prompt
 
 from closedloop import plugins
 from closedloop.messages import AssistantMessage, ToolMessage, UserMessage
@@ -165,16 +165,31 @@ def _open_run(args: argparse.Namespace, thread: str):
 
 
 def _ask(request: dict) -> dict | None:
-    """Ask about each action of one approval request; ``None`` when nobody can answer (stdin closed)."""
-    decisions = []
+    """Ask about each action of one approval request: run it (y), decline it (n) or edit its
+    arguments (e, then JSON). ``None`` when nobody can answer (stdin closed)."""
+    decisions: list[dict[str, Any]] = []
     try:
         for action in request.get("action_requests", []):
             args = action.get("args")
             shown = args if isinstance(args, str) else json.dumps(args)
-            if Confirm.ask(f"run [cyan]{action.get('name')}[/cyan]({shown})?", default=True):
+            answer = Prompt.ask(f"run [cyan]{action.get('name')}[/cyan]({shown})? yes / no / edit",
+                                choices=["y", "n", "e"], default="y")
+            if answer == "y":
                 decisions.append({"type": "approve"})
-            else:
+            elif answer == "n":
                 decisions.append({"type": "reject", "message": "declined at the terminal"})
+            else:
+                while True:
+                    text = Prompt.ask("arguments (a JSON object)", default=shown)
+                    try:
+                        edited = json.loads(text)
+                    except json.JSONDecodeError as e:
+                        console.print(f"[red]not JSON: {e}[/red]")
+                        continue
+                    if isinstance(edited, dict):
+                        break
+                    console.print("[red]the arguments must be a JSON object[/red]")
+                decisions.append({"type": "edit", "edited_action": {"name": action.get("name"), "args": edited}})
     except EOFError:
         console.print()
         return None

@@ -142,12 +142,12 @@ def test_pending_approval_waits_survives_a_kill_and_is_asked_again(stub_factory,
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     assert len(stub.requests) == 1  # the model was not asked again: the approval was pending
-    # 3. resumed and approved: the tool runs once, the model answers
-    done = subprocess.run(_cmd(stub, tmp_path, "--approve"), env=_env(tmp_path), input="y\n", capture_output=True,
-                          text=True, timeout=180)
+    # 3. resumed, the arguments edited at the prompt: the tool runs once, the model answers
+    done = subprocess.run(_cmd(stub, tmp_path, "--approve"), env=_env(tmp_path), input='e\n{"a": 40, "b": 2}\n',
+                          capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "approval pending" in done.stdout and "run add" in done.stdout and "The answer is 7." in done.stdout
     final = stub.requests[-1]
     assert [m["role"] for m in final if m["role"] != "system"] == ["user", "assistant", "tool"]
-    assert final[-1]["content"] == "7.0"
+    assert final[-1]["content"].endswith("42.0") and "edited" in final[-1]["content"]
     assert sorted(r.status for r in _runs(tmp_path)).count("completed") == 1
