@@ -178,3 +178,31 @@ async def test_max_turns_is_per_invocation_and_a_thread_goes_on():
     _valid_openai_conversation(out["messages"])
     for request in client.calls:
         _valid_openai_conversation([m for m in request if m.role != "system"])
+
+
+def test_strict_msgpack_mode_revives_our_types():
+    """Under LANGGRAPH_STRICT_MSGPACK (the future default) unregistered types are blocked: ours are not."""
+    import subprocess
+    import sys
+
+    code = """
+import asyncio
+from langgraph.checkpoint.memory import InMemorySaver
+from closedloop.graphs.react import build_react_graph
+from closedloop.messages import AssistantMessage, ToolCall, UserMessage
+from closedloop.models.scripted import ScriptedClient
+from closedloop.plugins import tool_registry
+script = [AssistantMessage(tool_calls=[ToolCall.make("add", {"a": 1, "b": 2})]), AssistantMessage(content="x")]
+g = build_react_graph(ScriptedClient(script), tool_registry(["arithmetic"]), checkpointer=InMemorySaver())
+c = {"configurable": {"thread_id": "a"}}
+asyncio.run(g.ainvoke({"messages": [UserMessage(content="hi")]}, c))
+s = asyncio.run(g.aget_state(c)).values
+print(*[type(m).__name__ for m in s["messages"]], type(s["turns"][0]).__name__, type(s["tool_records"][0]).__name__)
+"""
+    import os
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "LANGGRAPH_STRICT_MSGPACK": "true"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["UserMessage", "AssistantMessage", "ToolMessage", "AssistantMessage", "Turn",
+                                  "ToolRecord"]
