@@ -369,6 +369,7 @@ class HFClient(ModelClient):
         if limit:
             req.max_new = min(req.max_new, limit - len(prompt))
             if req.max_new < 1:
+                req.encoded = None  # an error's traceback keeps this frame: do not keep the ids with it
                 raise ContextLengthExceededError(
                     f"prompt of {len(prompt)} tokens leaves no room in the model's {limit}-token context",
                     prompt_tokens=len(prompt), limit=limit)

@@ -65,6 +65,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import gc
 import json
 import logging
 import math
@@ -99,6 +100,8 @@ DEFAULT_MAX_TOKENS_CAP = 32768
 MAX_JSON_DEPTH = 64
 #: Bodies at least this large are parsed on a thread, not on the event loop.
 _BIG_BODY = 1 << 20
+#: After a request at least this large, freed memory is handed back to the OS (see _release_memory).
+_RELEASE_BODY = 256 * 1024
 # As \uD800-\uDFFF escapes, or as raw bytes (json.loads decodes bytes with "surrogatepass").
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
@@ -235,9 +238,12 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _release_memory() -> None:
-    """Give freed heap back to the OS after a large request (glibc keeps it otherwise, which looks
-    like a leak of hundreds of MB per big body). A no-op where ``malloc_trim`` does not exist."""
+    """Give freed heap back to the OS after a large request: collect the reference cycles that an
+    error's traceback makes around a big prompt's token list, then ``malloc_trim`` (glibc keeps freed
+    heap otherwise, which looks like a leak of hundreds of MB per big body). Without ``malloc_trim``
+    (not glibc) only the collection runs."""
     global _malloc_trim
+    gc.collect()
     if _malloc_trim is None:
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -663,7 +669,7 @@ def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) >= _BIG_BODY:
+        if declared.isdigit() and int(declared) >= _RELEASE_BODY:
             try:  # hand the heap a big body and its tokens used back to the OS (see _release_memory)
                 return await answer(request)
             finally:
