@@ -100,7 +100,8 @@ def _check_steps(steps: Sequence[str]) -> tuple[str, ...]:
 def build_egg_graph(client: ModelClient, tools: ToolRegistry | None = None, *, backend: str = "cpu",
                     num_seeds: int = 3, debug_rounds: int = 2, refine_rounds: int = 1,
                     tuning_steps: Sequence[str] = TUNING_STEPS, max_reasks: int = 2,
-                    paradigms: Sequence[str] | None = None, params: SamplingParams | None = None,
+                    paradigms: Sequence[str] | None = None, rounds: int | None = None,
+                    params: SamplingParams | None = None,
                     system_prompt: str | None = None, max_turns: int | None = None,
                     approve: bool | Collection[str] = False, stream_tokens: bool = False,
                     execute_tools: bool = True, checkpointer: Any = None):
@@ -109,12 +110,17 @@ def build_egg_graph(client: ModelClient, tools: ToolRegistry | None = None, *, b
     from the evaluator's timings).
 
     ``paradigms`` overrides the stage-A seeds (default: :func:`seed_paradigms` of the problem,
-    ``num_seeds`` of them). ``system_prompt``/``max_turns``/``stream_tokens`` are accepted for the
+    ``num_seeds`` of them). ``rounds`` (the harness's ``--rounds``) is the write/debug budget of
+    each agent task: one write plus ``rounds - 1`` debug rounds (it sets ``debug_rounds``). ``system_prompt``/``max_turns``/``stream_tokens`` are accepted for the
     common graph options and ignored (each agent has its own prompt; the budget is the counts
     above; calls are not streamed). ``approve``/``execute_tools=False`` do not apply.
     """
     tools = require_evaluator(tools, "egg")
     prompts.check_backend(backend)
+    if rounds is not None:
+        if rounds < 1:
+            raise ValueError(f"rounds must be at least 1, got {rounds}")
+        debug_rounds = rounds - 1
     if approve or not execute_tools:
         raise ValueError("the egg graph runs its evaluator itself: approve and execute_tools=False do not apply")
     for name, value, low in (("num_seeds", num_seeds, 1), ("debug_rounds", debug_rounds, 0),

@@ -191,3 +191,12 @@ def test_bad_options_are_clear_errors():
         build_egg_graph(client, tools, num_seeds=0)
     with pytest.raises(ValueError, match="evaluate_kernel"):
         build_egg_graph(client, None)
+
+
+async def test_rounds_is_the_write_and_debug_budget_of_each_task():
+    replies = {"seed:P-direct loops": [_k("A-x", "compile_error")], "debug:A-x": [_k("A-y", "incorrect")],
+               "debug:A-y": [_k("A-z", "incorrect")]}
+    out, _, script, _ = await _run(replies, paradigms=PARADIGMS[:1], rounds=2)
+    assert script.roles == ["seed", "debug"]
+    with pytest.raises(ValueError, match="rounds"):
+        build_egg_graph(ScriptedClient([]), fake_kernel_tools()[0], rounds=0)

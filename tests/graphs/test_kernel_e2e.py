@@ -73,3 +73,22 @@ async def test_egg_graph_on_the_real_harness(tools):
     # the tuned kernel failed correctness: rejected, the last correct kernel kept
     assert out["attempts"][-1]["status"] == "incorrect" and out["stage_b"]["applied"] == []
     assert out["final_code"] == RIGHT and out["best_result"]["status"] == "correct"
+
+
+async def test_the_harness_runs_the_registered_kernel_graph(tools, request):
+    """As ``closedloop eval kernelbench --agent kernel --rounds 1`` calls it (graph_agent); egg takes
+    the same call (its full default run, ~10 evaluations, is too slow for a test: built only)."""
+    from closedloop import plugins
+
+    plugins.load("closedloop.graphs", "egg")(ScriptedClient([]), tools, backend="cpu", rounds=1)
+    from closedloop.evals.kernelbench.evaluate import KernelEvaluator
+    from closedloop.evals.kernelbench.runner import graph_agent
+
+    cache = request.config.cache.mkdir("closedloop-kernel-builds")
+    evaluator = KernelEvaluator(KernelEvalConfig(backend="cpu", cache_dir=str(cache), trials=3, iters=5,
+                                                 compile_workers=1))
+    problem = Problem(level=1, problem_id=1, name="1_ReluAddScale.py", code=PROBLEM)
+    client = ScriptedClient([reply(RIGHT)], cycle=True)
+    run = graph_agent("kernel", client, backend="cpu", rounds=1)
+    code, trajectory = await run(problem, 0, evaluator)
+    assert code == RIGHT and len(trajectory.turns) == 1 and trajectory.turns[0].trainable
