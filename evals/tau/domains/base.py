@@ -24,6 +24,7 @@ import json
 import time
 import typing
 from datetime import date, datetime
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -36,7 +37,7 @@ except ImportError:  # pragma: no cover
 
 from closedloop.tool import Tool, ToolRegistry, ToolResult
 
-__all__ = ["TauDB", "TauTool", "Toolkit", "is_tool", "hash_state", "to_json_str", "tau2_description"]
+__all__ = ["TauDB", "TauTool", "Toolkit", "ToolType", "is_tool", "hash_state", "to_json_str", "tau2_description"]
 
 
 def hash_state(value: Any) -> str:
@@ -101,10 +102,22 @@ def to_json_str(value: Any) -> str:
 _TOOL_MARK = "__tau_tool__"
 
 
-def is_tool(*, mutates: bool | None = None, kind: str = "read") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Mark a toolkit method as a tool (``kind``: tau2's read/write/think/generic).
+class ToolType(str, Enum):
+    """tau2's tool classification (so ported toolkits keep ``@is_tool(ToolType.WRITE)``)."""
 
-    ``mutates`` defaults as tau2's ``mutates_state``: True exactly for write tools."""
+    READ = "read"
+    WRITE = "write"
+    THINK = "think"
+    GENERIC = "generic"
+
+
+def is_tool(tool_type: ToolType | str | None = None, mutates_state: bool | None = None, *,
+            mutates: bool | None = None, kind: str = "read") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a toolkit method as a tool: ``@is_tool(kind="write")`` or tau2's
+    ``@is_tool(ToolType.WRITE, mutates_state=...)``. Mutation defaults as tau2's
+    ``mutates_state``: True exactly for write tools."""
+    kind = ToolType(tool_type).value if tool_type is not None else kind
+    mutates = mutates_state if mutates_state is not None else mutates
 
     def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
         setattr(fn, _TOOL_MARK, {"mutates": kind == "write" if mutates is None else mutates, "kind": kind})

@@ -17,7 +17,7 @@ from closedloop.evals.tau.domains.base import TauDB, Toolkit
 __all__ = ["Domain", "register_domain", "get_domain", "available_domains", "UnknownDomainError"]
 
 ENTRY_POINT_GROUP = "closedloop.domains"
-_BUILTINS = {"retail": "closedloop.evals.tau.domains.retail"}
+_BUILTINS = {"retail": "closedloop.evals.tau.domains.retail", "airline": "closedloop.evals.tau.domains.airline"}
 _REGISTRY: dict[str, "Domain"] = {}
 
 

@@ -1,0 +1,9 @@
+"""The airline domain (tau2 ``airline``): flights, reservations, cancellations, changes, baggage."""
+
+from closedloop.evals.tau.domains.airline.db import FlightDB
+from closedloop.evals.tau.domains.airline.tools import AirlineTools
+from closedloop.evals.tau.domains.registry import Domain, register_domain
+
+AIRLINE = register_domain(Domain(name="airline", db_model=FlightDB, toolkit=AirlineTools))
+
+__all__ = ["AIRLINE", "AirlineTools", "FlightDB"]

@@ -1,0 +1,73 @@
+"""Every built-in domain against tau2 on committed fixtures (``fixtures/``: a few train tasks per
+domain, the DB rows they touch, tau2's MIT LICENSE, and tau2's own outputs and DB hashes for the
+gold actions on that small DB, made by ``fixtures/make_fixtures.py``): tool schemas, every gold
+action's output, the final hash, and the oracle through orchestrator and evaluator. With full
+data (``TAU2_DATA_DIR``), the oracle is also checked on every train task of each domain."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from closedloop.evals.tau import TerminationReason, evaluate, load_domain, run_episode
+from closedloop.evals.tau.domains import available_domains
+from closedloop.evals.tau.domains.registry import UnknownDomainError, get_domain
+from closedloop.evals.tau.oracle import OracleAgent, ScenarioUser
+from closedloop.messages import ToolCall
+
+FIXTURES = Path(__file__).parent / "fixtures"
+EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
+DOMAINS = sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_schemas_outputs_and_hashes_equal_tau2s(domain: str) -> None:
+    data = load_domain(domain, FIXTURES, tau2_source=False)
+    assert [t.schema for t in data.make_environment().tool_list] == EXPECTED[domain]["tools"]
+    for task in data.load_tasks("train").tasks:
+        env = data.make_environment()
+        outputs = [env.run_tool_call(ToolCall.make(a.name, a.arguments, id=f"g{i}"), a.requestor).text
+                   for i, a in enumerate(task.evaluation_criteria.actions or [])]
+        want = EXPECTED[domain]["tasks"][task.id]
+        assert outputs == want["outputs"], (domain, task.id)
+        assert env.db.tau2_hash() == want["db_hash"], (domain, task.id)
+
+
+async def _oracle(data, tasks) -> list[str]:
+    """Ids of the tasks whose oracle episode does not reproduce the gold DB."""
+    bad = []
+    for task in tasks:
+        sim = await run_episode(task, OracleAgent(task), ScenarioUser(task), environment_factory=data.make_environment)
+        info = await evaluate(sim, task, data.make_environment)
+        if sim.termination_reason != TerminationReason.USER_STOP or not info.db_check.db_match:
+            bad.append(task.id)
+    return bad
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+async def test_oracle_matches_gold_on_the_fixture_tasks(domain: str) -> None:
+    data = load_domain(domain, FIXTURES, tau2_source=False)
+    assert await _oracle(data, data.load_tasks("train").tasks) == []
+
+
+FULL = os.environ.get("TAU2_DATA_DIR")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("domain", DOMAINS)
+async def test_oracle_matches_gold_on_every_train_task_with_full_data(domain: str) -> None:
+    if not FULL or not (Path(FULL) / "tau2" / "domains" / domain / "tasks.json").is_file():
+        pytest.skip(f"full {domain} data not present (set TAU2_DATA_DIR)")
+    data = load_domain(domain, FULL)
+    assert await _oracle(data, data.load_tasks("train").tasks) == []
+
+
+def test_unknown_domain_is_one_line_listing_the_domains() -> None:
+    with pytest.raises(UnknownDomainError) as e:
+        get_domain("bank")
+    text = str(e.value)
+    assert "\n" not in text and "'bank'" in text and "airline" in text and "retail" in text
+    assert {"airline", "retail"} <= set(available_domains())
