@@ -21,7 +21,9 @@ _BUILTINS = {"retail": "closedloop.evals.tau.domains.retail", "airline": "closed
 _REGISTRY: dict[str, "Domain"] = {}
 
 
-class UnknownDomainError(KeyError):
+class UnknownDomainError(KeyError, ValueError):
+    """No domain of that name; a ValueError too, so front ends report it as bad input (one line)."""
+
     def __str__(self) -> str:
         return str(self.args[0])
 
