@@ -130,9 +130,17 @@ def results_dict(simulations: list[SimulationRun], tasks: list[Task], info: RunI
                                      "policy": _policy(info), "tool_defs": None,
                                      **{k: v for k, v in info.environment_info.items()
                                         if k not in ("domain_name", "policy", "tool_defs")}}
+    from closedloop.store.redact import redact
+
+    # Model specs in ``info`` (``openai:m@http://user:key@host``) and keys echoed in messages or
+    # errors never reach the exported file; simulations get the content rules (field names kept).
+    # The domain policy is tau2's text, kept byte for byte; everything else in ``info`` is redacted.
+    info_dict = {k: ({ek: (ev if ek == "policy" else redact({ek: ev})[ek]) for ek, ev in v.items()}
+                     if k == "environment_info" else redact({k: v})[k]) for k, v in info_dict.items()}
     return {"timestamp": datetime.now(timezone.utc).isoformat(), "info": info_dict,
             "tasks": [t.model_dump(mode="json") for t in tasks],
-            "simulations": [_simulation_dict(s) for s in simulations]}
+            "simulations": redact([_simulation_dict(s) for s in simulations], keys=False, key_values=False,
+                                  hex_keys=False)}
 
 
 def write_results(path: str | Path, simulations: list[SimulationRun], tasks: list[Task], info: RunInfo) -> Path:
