@@ -201,20 +201,23 @@ async def _turn(graph: Any, graph_input: Any, config: dict, recorder: Any, pendi
     request/decision shape). Returns a paused run when an approval could not be asked."""
     from langgraph.types import Command
 
-    streaming = {"open": False}
+    streaming = {"open": False, "streamed": False}
 
     def on_event(event: tuple[str, Any]) -> None:
         kind, payload = event
         if kind == "token":
             console.print(payload, end="", markup=False, highlight=False)
-            streaming["open"] = True
+            streaming["open"] = streaming["streamed"] = True
             return
         if streaming["open"]:
             console.print()
             streaming["open"] = False
+        streamed, streaming["streamed"] = streaming["streamed"], False
         if kind == "message" and isinstance(payload, AssistantMessage) and payload.tool_calls:
             for call in payload.tool_calls:
                 console.print(f"[cyan]→ {call.name}[/cyan]({call.function.arguments})")
+        elif kind == "message" and isinstance(payload, AssistantMessage) and not streamed and payload.text:
+            console.print(payload.text, markup=False, highlight=False)  # --no-stream: the answer, once
         elif kind == "message" and isinstance(payload, ToolMessage):
             style = "red" if payload.error else "green"
             console.print(f"[{style}]← {payload.name}: {payload.text[:500]}[/{style}]")
