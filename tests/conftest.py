@@ -64,6 +64,14 @@ def tiny_vlm_path(tiny_model_path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_asr_path(tmp_path_factory) -> Path:
+    """A tiny Whisper that says "hello world" for any audio (built in seconds)."""
+    from closedloop.models.tiny_asr import build_tiny_asr
+
+    return build_tiny_asr(tmp_path_factory.mktemp("tiny-asr") / "asr")
+
+
+@pytest.fixture(scope="session")
 def scorer_model_path(request) -> Path:
     """The tiny architecture trained only on goal restatement: the frozen scorer of the
     information-gain tests. (Mixed with tool use, the 150k-parameter model learns restating

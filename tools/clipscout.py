@@ -168,8 +168,10 @@ def make_clipscout_tool(video: str | Path, *, out_dir: str | Path, max_side: int
     return Tool(clipscout, name=name, timeout_s=60.0)
 
 
-def write_video(path: str | Path, frames: Sequence[Any], fps: int = 8) -> Path:
-    """Frames (PIL images or HxWx3 uint8 arrays, even sizes) to an MPEG-4 file at ``fps``."""
+def write_video(path: str | Path, frames: Sequence[Any], fps: int = 8, audio: Any = None,
+                audio_rate: int = 16_000) -> Path:
+    """Frames (PIL images or HxWx3 uint8 arrays, even sizes) to an MPEG-4 file at ``fps``; with
+    ``audio`` (mono float32 in [-1, 1] at ``audio_rate``) an AAC track too."""
     import av
     import numpy as np
 
@@ -185,6 +187,10 @@ def write_video(path: str | Path, frames: Sequence[Any], fps: int = 8) -> Path:
         stream = c.add_stream("mpeg4", rate=fps)
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
         stream.time_base = Fraction(1, fps)
+        track = None
+        if audio is not None:  # every stream exists before the first packet is written
+            track = c.add_stream("aac", rate=audio_rate)
+            track.layout = "mono"
         for i, a in enumerate(arrays):
             frame = av.VideoFrame.from_ndarray(a, format="rgb24")
             frame.pts = i
@@ -192,4 +198,15 @@ def write_video(path: str | Path, frames: Sequence[Any], fps: int = 8) -> Path:
                 c.mux(packet)
         for packet in stream.encode():
             c.mux(packet)
+        if track is not None:
+            samples = np.asarray(audio, dtype=np.float32).reshape(1, -1)
+            block = 1024
+            for i in range(0, samples.shape[1], block):
+                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, i:i + block]), format="fltp",
+                                                   layout="mono")
+                frame.sample_rate, frame.pts = audio_rate, i
+                for packet in track.encode(frame):
+                    c.mux(packet)
+            for packet in track.encode():
+                c.mux(packet)
     return path

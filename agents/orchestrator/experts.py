@@ -13,7 +13,7 @@ that file, never of the controller::
 
 Kinds: ``model`` (any model spec; a VLM gets the image beside the question), ``tool`` (a tool of
 a ``closedloop.tools`` module; the query is its JSON arguments, or the text of its single string
-argument), ``asr`` (a transformers speech-recognition checkpoint through its pipeline; audio
+argument), ``asr`` (a speech-to-text checkpoint, :class:`closedloop.models.asr.SpeechRecognizer`; audio
 decoded with PyAV). :class:`ExpertPool` counts every call, so a memory hit is visible as a call
 that did not happen.
 """
@@ -87,6 +87,7 @@ class ExpertPool:
         self.config = config
         self._clients: dict[str, ModelClient] = dict(clients or {})
         self._tools: dict[str, Any] = {}
+        self._asr: dict[str, Any] = {}
         self.calls: Counter[str] = Counter()
 
     @property
@@ -116,7 +117,7 @@ class ExpertPool:
             return (turn.message.text or "").strip()
         if spec.kind == "tool":
             return await self._run_tool(name, spec, query)
-        return await asyncio.to_thread(self._transcribe, spec, media)
+        return await asyncio.to_thread(self._transcribe, name, spec, media)
 
     async def _run_tool(self, name: str, spec: ExpertSpec, query: str) -> str:
         from closedloop import plugins
@@ -137,23 +138,13 @@ class ExpertPool:
             args = {params[0]: query} if len(params) == 1 else query
         return (await t.run(args)).content
 
-    @staticmethod
-    def _transcribe(spec: ExpertSpec, media: Any) -> str:
+    def _transcribe(self, name: str, spec: ExpertSpec, media: Any) -> str:
         import base64
-        import io
 
-        import numpy as np
+        from closedloop.models.asr import SpeechRecognizer
 
         if not isinstance(media, AudioPart):
-            raise ValueError("the ASR expert needs an audio source")
-        import av
-        from transformers import pipeline
-
-        data = base64.b64decode(media.input_audio.data)
-        with av.open(io.BytesIO(data)) as c:
-            resampler = av.AudioResampler(format="flt", layout="mono", rate=16_000)
-            chunks = [r.to_ndarray().reshape(-1) for f in c.decode(audio=0) for r in resampler.resample(f)]
-        audio = np.concatenate(chunks) if chunks else np.zeros(1, dtype=np.float32)
-        model = spec.model[3:] if spec.model and spec.model.startswith("hf:") else spec.model
-        asr = pipeline("automatic-speech-recognition", model=model)
-        return str(asr({"raw": audio, "sampling_rate": 16_000})["text"]).strip()
+            raise ValueError("the ASR expert needs an audio source (source=\"audio:N\")")
+        if name not in self._asr:
+            self._asr[name] = SpeechRecognizer(spec.model)  # type: ignore[arg-type]
+        return self._asr[name].transcribe(base64.b64decode(media.input_audio.data))

@@ -24,6 +24,7 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--vision", action=argparse.BooleanOptionalAction, default=None,
                    help="show frames to the model (default: when the model is a local VLM)")
     p.add_argument("--corpus", help="evidence index (default: DATA/corpus.duckdb, else $CLOSEDLOOP_SEARCH backend)")
+    p.add_argument("--asr", help="hf:<speech model> that transcribes videos with no transcript")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--limit", type=int, help="evaluate only the first N samples of the split")
     p.add_argument("--max-tokens", type=int, default=512)
@@ -78,7 +79,7 @@ def handle(args: argparse.Namespace) -> int:
         task = progress.add_task("eval", total=len(samples))
         report = evaluate_factguard(samples, client, backend, graph=args.agent, vision=vision,
                                     params=SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
-                                    concurrency=args.concurrency, store=store,
+                                    concurrency=args.concurrency, store=store, asr=args.asr,
                                     on_result=lambda _: progress.advance(task))
     m = report.metrics
     table = Table(title=f"FactGuard · {args.agent} · {client.spec} · {len(samples)} samples ({args.split})")

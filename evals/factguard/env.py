@@ -33,7 +33,7 @@ from closedloop.messages import AssistantMessage, ImagePart, SystemMessage, Text
 from closedloop.tools.clipscout import make_clipscout_tool, read_frames, sample_times, tile_2x2, video_duration
 from closedloop.tools.factprobe import LocalCorpus, SearchBackend, backend_from_env, make_factprobe_tool
 
-__all__ = ["FactGuardEnv", "FactGuardOptions", "overview_image", "samples_for"]
+__all__ = ["FactGuardEnv", "FactGuardOptions", "overview_image", "samples_for", "transcribe"]
 
 
 class FactGuardOptions(EnvOptions):
@@ -49,6 +49,7 @@ class FactGuardOptions(EnvOptions):
     max_side: int = Field(448, ge=16)
     system_prompt: str | None = STAGE1_SYSTEM_PROMPT
     reward: DecisionReward = DecisionReward()
+    asr: str | None = Field(None, description="hf:<speech model> that transcribes videos without a transcript")
 
 
 @functools.lru_cache(maxsize=8)
@@ -58,6 +59,24 @@ def samples_for(data_dir: str, dataset: str | None, split: str, test_fraction: f
         return tuple(samples)
     train, test = temporal_split(samples, test_fraction)
     return tuple(train if split == "train" else test)
+
+
+@functools.lru_cache(maxsize=4)
+def _recognizer(spec: str) -> Any:
+    from closedloop.models.asr import SpeechRecognizer
+
+    return SpeechRecognizer(spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def transcribe(video: str, spec: str) -> str:
+    """A video's transcript from the ASR expert (once per video and model); '' for a silent video."""
+    from closedloop.models.asr import NoAudioError
+
+    try:
+        return _recognizer(spec).transcribe(video)
+    except NoAudioError:
+        return ""
 
 
 @functools.lru_cache(maxsize=64)
@@ -96,7 +115,10 @@ class FactGuardEnv(BuiltinEnv):
         if self.sample.video:
             self.registry.register(make_clipscout_tool(self.sample.video, out_dir=self._tmp.name,
                                                        max_side=o.max_side))
-        text = sample_prompt(self.sample.metadata, self.sample.transcript)
+        transcript = self.sample.transcript
+        if transcript is None and o.asr and self.sample.video:
+            transcript = transcribe(self.sample.video, o.asr)
+        text = sample_prompt(self.sample.metadata, transcript)
         user: UserMessage
         if o.vision and self.sample.video:
             buf = Path(self._tmp.name) / f"overview-{self.sample.id}.png"

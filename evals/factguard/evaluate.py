@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from closedloop import plugins
 from closedloop.agents.factguard import DecisionReward, parse_verdict, sample_prompt
 from closedloop.evals.factguard.data import BinaryMetrics, Sample, binary_metrics
-from closedloop.evals.factguard.env import overview_image
+from closedloop.evals.factguard.env import overview_image, transcribe
 from closedloop.messages import AssistantMessage, ImagePart, TextPart, Trajectory, UserMessage
 from closedloop.models.base import ModelClient, SamplingParams
 from closedloop.runtime.convert import as_closedloop
@@ -58,7 +58,7 @@ async def aevaluate_factguard(samples: list[Sample], client: ModelClient, backen
                               params: SamplingParams | None = None, concurrency: int = 4, timeout_s: float = 300.0,
                               reward: DecisionReward | None = None, store: Any = None, name: str | None = None,
                               on_result: Callable[[SampleResult], None] | None = None,
-                              max_side: int = 448) -> FactGuardReport:
+                              max_side: int = 448, asr: str | None = None) -> FactGuardReport:
     """Evaluate ``graph`` on ``client`` over ``samples``; see the module docstring."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
@@ -80,7 +80,10 @@ async def aevaluate_factguard(samples: list[Sample], client: ModelClient, backen
             tools = ToolRegistry().extend([make_factprobe_tool(backend)])
             if s.video:
                 tools.register(make_clipscout_tool(s.video, out_dir=tmp.name, max_side=max_side))
-            text = sample_prompt(s.metadata, s.transcript)
+            transcript = s.transcript
+            if transcript is None and asr and s.video:  # the ASR expert fills a missing transcript
+                transcript = await asyncio.to_thread(transcribe, s.video, asr)
+            text = sample_prompt(s.metadata, transcript)
             if vision and s.video:
                 path = Path(tmp.name) / f"overview-{s.id}.png"
                 await asyncio.to_thread(lambda: overview_image(s.video, max_side).save(path))

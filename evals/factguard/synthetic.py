@@ -13,7 +13,8 @@ small policy learn something where the reward's coefficients matter.
 * A fake video also carries a visual tell in one span (a frame stamped "EDIT"), which ClipScout can
   find when the model reads images.
 
-Writes ``samples.jsonl`` (:class:`~closedloop.evals.factguard.data.Sample` rows, videos
+``audio`` adds a sound track (a tone), and ``missing_transcripts`` leaves that fraction of
+transcripts out, for the ASR expert. Writes ``samples.jsonl`` (:class:`~closedloop.evals.factguard.data.Sample` rows, videos
 relative), ``videos/*.mp4``, ``corpus.jsonl`` and the BM25 index ``corpus.duckdb``.
 """
 
@@ -57,7 +58,7 @@ def _frames(claim: str, fake: bool, rng: random.Random, n: int, size: tuple[int,
 
 def make_synthetic(out_dir: str | Path, n: int = 40, *, seed: int = 0, evidence_rate: float = 0.6,
                    fake_rate: float = 0.5, frames: int = 24, fps: int = 8, size: tuple[int, int] = (96, 64),
-                   videos: bool = True) -> list[Sample]:
+                   videos: bool = True, audio: bool = False, missing_transcripts: float = 0.0) -> list[Sample]:
     """Write the dataset into ``out_dir`` and return its samples (in publish order)."""
     from closedloop.tools.clipscout import write_video
     from closedloop.tools.factprobe import LocalCorpus
@@ -79,10 +80,18 @@ def make_synthetic(out_dir: str | Path, n: int = 40, *, seed: int = 0, evidence_
         when = start + timedelta(days=i, hours=rng.randrange(24))
         video = None
         if videos:
-            write_video(out / "videos" / f"{sid}.mp4", _frames(claim, fake, rng, frames, size), fps=fps)
+            sound = None
+            if audio:  # a tone standing in for speech (the ASR expert's input)
+                import numpy as np
+
+                t = np.arange(int(16_000 * frames / fps)) / 16_000
+                sound = (0.3 * np.sin(2 * np.pi * rng.choice([220, 330, 440]) * t)).astype(np.float32)
+            write_video(out / "videos" / f"{sid}.mp4", _frames(claim, fake, rng, frames, size), fps=fps, audio=sound)
             video = f"videos/{sid}.mp4"
         transcript = f"Look at this! {claim[0].upper() + claim[1:]}. Share before they delete it."
         metadata = f"title: {claim}; uploader: {rng.choice(UPLOADERS)}; published: {when.date().isoformat()}"
+        if rng.random() < missing_transcripts:
+            transcript = None  # the ASR expert must supply it
         samples.append(Sample(id=sid, label="fake" if fake else "real", metadata=metadata, transcript=transcript,
                               video=video, published=when, dataset="synthetic", claim=claim))
         if rng.random() < evidence_rate:
