@@ -93,6 +93,13 @@ class RFTConfig(GRPOConfig):
             self.envs = [EnvSpec(name=self.env, options=dict(self.env_options))]
         if self.mode == "single" and len(self.envs) != 1:
             raise ValueError(f"mode single trains on one environment; got {len(self.envs)} (use sequential or mixture)")
+        from closedloop.evals.envs import make_env
+
+        for spec in self.envs + self.eval_envs:  # a bad name or option fails here, not after a stage
+            try:
+                make_env(spec.name, **spec.options)
+            except (KeyError, ValueError, TypeError) as e:
+                raise ValueError(f"environment {spec.name!r}: {e}") from None
         keys = [e.key for e in self.envs]
         if len(set(keys)) != len(keys):
             raise ValueError(f"environment labels must be distinct, got {keys}; set label")

@@ -92,6 +92,10 @@ def test_config_validation(tmp_path):
     assert [e.key for e in cfg.envs] == ["clarify-L2"] and cfg.mode == "single"
     with pytest.raises(ValueError, match="single trains on one"):
         RFTConfig(model="m", output_dir="o", envs=[{"name": "calc"}, {"name": "simul"}])
+    with pytest.raises(ValueError, match="no environment named 'chess'"):
+        RFTConfig(model="m", output_dir="o", envs=[{"name": "chess"}])
+    with pytest.raises(ValueError, match="level"):
+        RFTConfig(model="m", output_dir="o", envs=[{"name": "calc", "options": {"level": 99}}])
     with pytest.raises(ValueError, match="distinct"):
         RFTConfig(model="m", output_dir="o", mode="sequential", envs=[{"name": "calc"}, {"name": "calc"}])
     with pytest.raises(ConfigError, match="weight"):
