@@ -186,8 +186,8 @@ def _check_json(body: Any, raw: bytes) -> None:
         value, depth, path = stack.pop()
         if isinstance(value, (dict, list)):
             if depth > MAX_JSON_DEPTH:
-                raise APIError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep (at {path or 'top'})",
-                               param=path or None, code="invalid_json")
+                raise APIError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep "
+                                    f"(at {path or 'top'})", param=path or None, code="invalid_json")
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for k, v in items:
                 if check_strings and isinstance(k, str) and _SURROGATE.search(k):
@@ -654,7 +654,8 @@ def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int 
     async def health() -> dict[str, Any]:
         # The micro-batcher's record (when the backend keeps one) shows whether requests batched.
         stats = getattr(client, "batch_stats", None)
-        return {"status": "ok", "disconnected": server.disconnected, **({"batches": stats()} if callable(stats) else {})}
+        batches = {"batches": stats()} if callable(stats) else {}
+        return {"status": "ok", "disconnected": server.disconnected, **batches}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -3,12 +3,14 @@
 A seeded generator (hypothesis is not a dependency) mutates valid requests and writes malformed
 ones: wrong types, out-of-range numbers, odd JSON, deep nesting, surrogates, special tokens, bad
 tools, truncated bytes. Every answer must be a 2xx or an OpenAI-shaped 4xx; never a 5xx; the server
-must still answer afterwards. ``CLOSEDLOOP_FUZZ_N`` raises the count for a longer local run.
+must still answer afterwards. ``CLOSEDLOOP_FUZZ_N`` / ``CLOSEDLOOP_FUZZ_SEED`` change the count and
+the seed for a longer local run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import random
@@ -26,6 +28,7 @@ from closedloop.server.local import serve_app
 pytestmark = pytest.mark.slow
 
 N_REQUESTS = int(os.environ.get("CLOSEDLOOP_FUZZ_N", "240"))
+SEED = int(os.environ.get("CLOSEDLOOP_FUZZ_SEED", "9"))
 
 TOOL = {"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
     "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}
@@ -57,7 +60,7 @@ def _mutate(rng: random.Random, value: Any, depth: int = 0) -> Any:
     if isinstance(value, list) and value and depth < 4 and rng.random() < 0.7:
         i = rng.randrange(len(value))
         return value[:i] + [_mutate(rng, value[i], depth + 1)] + value[i + 1:]
-    return rng.choice(ODD_VALUES)
+    return copy.deepcopy(rng.choice(ODD_VALUES))  # a copy: later mutations must not change the table
 
 
 def fuzz_bodies(seed: int, n: int) -> list[bytes]:
@@ -71,7 +74,7 @@ def fuzz_bodies(seed: int, n: int) -> list[bytes]:
         body = json.loads(json.dumps(VALID))
         for _ in range(rng.randint(1, 3)):
             if rng.random() < 0.3 and isinstance(body, dict):
-                body[rng.choice(KEYS)] = rng.choice(ODD_VALUES)
+                body[rng.choice(KEYS)] = copy.deepcopy(rng.choice(ODD_VALUES))
             else:
                 body = _mutate(rng, body)
         raw = json.dumps(body, ensure_ascii=rng.random() < 0.5).encode("utf-8", "surrogatepass")
@@ -110,7 +113,7 @@ def test_fuzzed_requests_never_get_a_5xx(tiny_model_path):
                             (r.status_code == 200 and not _shape_ok(r)):
                         bad.append((r.status_code, raw[:300], r.text[:300]))
 
-                await asyncio.gather(*(one(raw) for raw in fuzz_bodies(seed=9, n=N_REQUESTS)))
+                await asyncio.gather(*(one(raw) for raw in fuzz_bodies(seed=SEED, n=N_REQUESTS)))
 
         asyncio.run(run())
         alive = httpx.post(f"{url}/chat/completions", timeout=60, json=VALID)

@@ -51,8 +51,8 @@ def test_deeply_nested_bodies_are_400(url, depth):
 
 
 def test_ordinary_nesting_is_fine(url):
-    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "array",
-                                                                                          "items": {"type": "string"}}}}}}
+    inner = {"type": "object", "properties": {"b": {"type": "array", "items": {"type": "string"}}}}
+    schema = {"type": "object", "properties": {"a": inner}}
     r = httpx.post(f"{url}/chat/completions", timeout=60, json={
         "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
         "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]})
