@@ -33,6 +33,8 @@ def main() -> int:
     p.add_argument("--sft-steps", type=int, default=60)
     p.add_argument("--eval-episodes", type=int, default=48)
     p.add_argument("--modes", default="sequential,mixture")
+    p.add_argument("--prompts", type=int, default=8, help="GRPO prompts per step")
+    p.add_argument("--group", type=int, default=8, help="GRPO group size")
     args = p.parse_args()
     if not args.model:
         p.error("--model (or $CLOSEDLOOP_TINY_MODEL) is required")
@@ -58,7 +60,8 @@ def main() -> int:
     clar1 = {"name": "clarify", "options": {"level": 1}, "max_env_steps": 5}
     evals = [calc1, clar1, {"name": "simul", "options": {"level": 1}, "max_env_steps": 6},
              {"name": "calc", "options": {"level": 2}, "max_env_steps": 5}]
-    common = dict(model=str(warm), store=store, eval_envs=evals, prompts_per_step=8, num_generations=8,
+    common = dict(model=str(warm), store=store, eval_envs=evals, prompts_per_step=args.prompts,
+                  num_generations=args.group,
                   max_env_steps=5, max_new_tokens=48, eval_episodes=args.eval_episodes, learning_rate=3e-4,
                   lr_scheduler="constant", torch_threads=1, save_steps=None, logging_steps=4, per_device_batch_size=16)
     summary = {}

@@ -82,7 +82,8 @@ def baselines(cfg: LatencyConfig) -> dict[str, dict[str, float]]:
     from closedloop.evals.envs.simul import (delayed_emissions, make_sentence, oracle_emissions, score_emissions,
                                              wait_k_emissions)
 
-    policies: dict[str, Callable[[Any], Any]] = {f"wait-{k}": (lambda s, k=k: wait_k_emissions(s, k)) for k in range(1, 5)}
+    policies: dict[str, Callable[[Any], Any]] = {f"wait-{k}": (lambda s, k=k: wait_k_emissions(s, k))
+                                                 for k in range(1, 5)}
     policies.update({"delayed": delayed_emissions, "oracle": oracle_emissions})
     out: dict[str, dict[str, float]] = {}
     for name, policy in policies.items():

@@ -75,8 +75,9 @@ class RFTConfig(GRPOConfig):
 
     mode: Literal["single", "sequential", "mixture"] = Field("single", description="single: one environment; "
                                                              "sequential: envs in order; mixture: envs by weight.")
-    envs: list[EnvSpec] = Field(default_factory=list, description="Training environments: [{name, options, label, "
-                                                                  "weight}]; empty: [{name: env, options: env_options}].")
+    envs: list[EnvSpec] = Field(default_factory=list,
+                                description="Training environments: [{name, options, label, weight}]; empty: "
+                                            "[{name: env, options: env_options}].")
     eval_envs: list[EnvSpec] = Field(default_factory=list, description="Evaluation columns (default: the training "
                                                                        "environments); add held-out ones here.")
     steps_per_stage: int | None = Field(None, ge=1, description="GRPO steps of each stage (null: max_steps).")
