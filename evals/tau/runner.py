@@ -90,6 +90,7 @@ class EvalSettings(BaseModel):
     temperature: float | None = None
     max_tokens: int | None = None
     user_temperature: float = 0.0  # tau2 samples the user at temperature 0
+    workers: int | None = Field(None, ge=0)  # grading processes (tau2 --workers); None: by concurrency, 0: none
 
     @property
     def seeds(self) -> list[int]:
@@ -202,6 +203,7 @@ class TauRunner:
         self.parent_id: str | None = None
         self._seeds = settings.seeds
         self._ran = 0
+        self._pool: Any = None  # GradingPool, started on the first grade when settings ask for workers
 
     # ------------------------------------------------------------------ the parent run
 
@@ -270,6 +272,18 @@ class TauRunner:
         return sim
 
     async def _grade(self, sim: SimulationRun, task: Task) -> Any:
+        workers = self.settings.workers
+        if workers is None:
+            from closedloop.evals.tau.workers import default_workers
+            workers = default_workers(self.settings.concurrency)
+        if workers > 0:  # in processes (closedloop.evals.tau.workers): grading no longer holds this GIL
+            if self._pool is None:
+                from closedloop.evals.tau.workers import GradingPool
+                self._pool = GradingPool.for_data(self.data, workers)
+            return await self._pool.grade(sim, task, self.judge)
+        return await self._grade_here(sim, task)
+
+    async def _grade_here(self, sim: SimulationRun, task: Task) -> Any:
         """Grading builds fresh environments and replays DBs: hundreds of ms of CPU on the retail DB.
         On the event loop that would stall every other episode's model calls (at concurrency 32 a
         single loop iteration could run for seconds, long enough for HTTP connects to time out),
@@ -299,6 +313,9 @@ class TauRunner:
             return await self._run(resume)
         finally:
             claim.release()
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
 
     async def _run(self, resume: bool) -> EvalReport:
         start = time.perf_counter()

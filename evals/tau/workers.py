@@ -1,0 +1,91 @@
+"""Grading in worker processes (as tau2's ``--workers``).
+
+Grading is CPU-bound: it builds a fresh environment (validating the whole DB), replays the
+episode's writes and the gold actions, and hashes two databases, hundreds of ms on the retail
+DB. On the runner's event loop, or in its threads, that holds the GIL and throughput stops
+growing with concurrency. :class:`GradingPool` runs :func:`~closedloop.evals.tau.evaluator.grade`
+in processes instead; each worker loads the domain once (DB parsed once, gold states cached per
+worker). The judge (an async model client) stays in the caller's process: it is asked first and
+its verdict travels to the worker with the episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from closedloop.evals.tau.data_model import Task
+from closedloop.evals.tau.evaluator import grade, needs_judge
+from closedloop.evals.tau.evaluator.nl_assertions import NLResult, check_nl_assertions
+from closedloop.evals.tau.simulation import GRADED_TERMINATIONS, RewardInfo, SimulationRun
+from closedloop.models.base import ModelClient
+
+__all__ = ["GradingPool", "default_workers"]
+
+_WORKER_DATA: Any = None
+
+
+def default_workers(concurrency: int) -> int:
+    """No pool below concurrency 4 (its start-up costs more than it saves); otherwise one worker
+    per core, at most one per concurrent episode, leaving a core for the event loop."""
+    if concurrency < 4:
+        return 0
+    return max(1, min(concurrency, (os.cpu_count() or 2) - 1))
+
+
+def _init(domain: str, data_dir: str, options: dict[str, Any]) -> None:
+    global _WORKER_DATA
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from closedloop.evals.tau.data import load_domain
+
+    _WORKER_DATA = load_domain(domain, data_dir, options=options)
+    _WORKER_DATA.make_environment()  # parse the DB now, not in the first episode's grading
+
+
+def _grade_in_worker(sim_json: str, task_json: str, task_sha: str | None, nl: NLResult | None,
+                     options: dict[str, Any]) -> str:
+    sim = SimulationRun.model_validate_json(sim_json)
+    task = Task.model_validate_json(task_json)
+    task._source_sha256 = task_sha
+    return grade(sim, task, _WORKER_DATA.make_environment, nl=nl, **options).model_dump_json()
+
+
+class GradingPool:
+    """``await pool.grade(sim, task, judge)``: the same RewardInfo as
+    :func:`~closedloop.evals.tau.evaluator.evaluate`, computed in a worker process."""
+
+    def __init__(self, domain: str, data_dir: str, workers: int, *, options: dict[str, Any] | None = None,
+                 grade_options: dict[str, Any] | None = None) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        self.workers = workers
+        self.grade_options = dict(grade_options or {})
+        self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_init, initargs=(domain, str(data_dir), dict(options or {})))
+
+    @classmethod
+    def for_data(cls, data: Any, workers: int, **kw: Any) -> "GradingPool":
+        """From a :class:`~closedloop.evals.tau.data.DomainData` (its folder is ``<root>/tau2/domains/<name>``)."""
+        return cls(data.name, str(data.folder.parents[2]), workers, options=data.options, **kw)
+
+    async def grade(self, sim: SimulationRun, task: Task, judge: ModelClient | None = None) -> RewardInfo:
+        nl = None
+        if sim.termination_reason in GRADED_TERMINATIONS and needs_judge(task, judge_all=False):
+            nl = await check_nl_assertions(sim.messages, task.evaluation_criteria.nl_assertions,  # type: ignore[union-attr]
+                                           judge)
+        loop = asyncio.get_running_loop()
+        out = await loop.run_in_executor(self._executor, _grade_in_worker, sim.model_dump_json(),
+                                         task.model_dump_json(), task.source_sha256, nl, self.grade_options)
+        return RewardInfo.model_validate_json(out)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "GradingPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
