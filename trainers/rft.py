@@ -261,6 +261,12 @@ class RFTResult:
     matrix: EvalMatrix
     stages: list[GRPOResult]
     plot: Path | None = None
+    status: str = "completed"
+
+    @property
+    def interrupted(self) -> bool:
+        """A stage was interrupted (Ctrl-C): later stages did not run; ``closedloop train`` exits 130."""
+        return self.status == "interrupted"
 
     @property
     def step(self) -> int:
@@ -358,11 +364,15 @@ def run_rft(config: RFTConfig, *, log: Callable[[str], None] | None = None) -> R
             say(f"rft: stage {k + 1}: GRPO on {name} for {fields['max_steps']} steps")
             result = train_grpo(GRPOConfig(**fields), make_env=_stage_factory(envs))
             stages.append(result)
+            if result.steps < fields["max_steps"]:  # Ctrl-C inside the stage: its checkpoint is saved
+                status = "interrupted"
+                break
             model = result.output_dir
             add_row(f"{k + 1}:{name}", model)
             for e in envs:
                 trained_at[e.key] = len(rows) - 1
-        status = "completed"
+        else:
+            status = "completed"
     finally:
         matrix = EvalMatrix(rows, cols, scores, {c: i for c, i in trained_at.items() if c in cols},
                             0 if config.evaluate_base else None)
@@ -382,7 +392,7 @@ def run_rft(config: RFTConfig, *, log: Callable[[str], None] | None = None) -> R
                 if final:
                     store.log_metrics(run_id, last, final)
             store.finish_run(run_id, status, outcome={"matrix": matrix.as_dict()} if rows else None)
-    return RFTResult(out, run_id, matrix, stages, plot)
+    return RFTResult(out, run_id, matrix, stages, plot, status)
 
 
 CONFIG_CLASS = RFTConfig
