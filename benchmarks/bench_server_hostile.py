@@ -12,6 +12,7 @@ huge request (or leave the default cap and see the huge request refused with 413
 
     python benchmarks/bench_server_hostile.py --model /path/to/tiny --mb 20 --big 3 \\
         --serve-arg=--max-request-bytes=67108864
+    python benchmarks/bench_server_hostile.py --model /path/to/tiny --disconnect 4000   # finding 11
 """
 
 from __future__ import annotations
@@ -64,6 +65,43 @@ async def _measure(url: str, mb: float, big: int, smalls: int) -> dict:
     return out
 
 
+def disconnect_cost(model: str, max_tokens: int) -> dict:
+    """Finding 11: a streaming client asks for ``max_tokens`` and walks away after the first text.
+    The model's end-of-sequence ids are removed (so only max_tokens or a cancellation stops it);
+    reports the CPU seconds the server (a thread of this process) spends after the disconnect and how long a small request
+    sent right after it takes, next to the same small request on an idle server."""
+    import torch
+
+    from closedloop.models.hf import HFClient
+    from closedloop.server import create_app
+    from closedloop.server.local import serve_app
+
+    torch.set_num_threads(1)
+    client = HFClient.from_pretrained(model)
+    client._eos_ids = set()
+    me = psutil.Process()
+    kwargs = {"max_tokens_cap": max_tokens} if "max_tokens_cap" in create_app.__kwdefaults__ else {}
+    small = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0}
+    with serve_app(create_app(client, "tiny", default_max_tokens=8, **kwargs)) as url:
+        t0 = time.perf_counter()
+        httpx.post(f"{url}/chat/completions", json=small, timeout=600).raise_for_status()
+        idle = time.perf_counter() - t0
+        with httpx.stream("POST", f"{url}/chat/completions", timeout=600, json={
+                "model": "tiny", "messages": [{"role": "user", "content": "Tell me a story"}], "stream": True,
+                "max_tokens": max_tokens, "temperature": 1.0}) as r:
+            for line in r.iter_lines():
+                if '"content": "' in line and '"content": ""' not in line:
+                    break
+        cpu0 = sum(me.cpu_times()[:2])
+        t0 = time.perf_counter()
+        httpx.post(f"{url}/chat/completions", json=small, timeout=600).raise_for_status()
+        after = time.perf_counter() - t0
+        time.sleep(2.0)
+        cpu = sum(me.cpu_times()[:2]) - cpu0
+    return {"idle_s": idle, "after_disconnect_s": after, "cpu_s_after_disconnect": cpu,
+            "cancelled_rows": getattr(client, "cancelled_rows", None)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="tiny model directory")
@@ -71,7 +109,15 @@ def main() -> None:
     ap.add_argument("--big", type=int, default=3, help="how many huge requests, one after another")
     ap.add_argument("--smalls", type=int, default=5, help="small requests measured per phase")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra closedloop serve argument")
+    ap.add_argument("--disconnect", type=int, default=0, metavar="MAX_TOKENS",
+                    help="instead: the cost of a stream abandoned after its first text (finding 11)")
     args = ap.parse_args()
+    if args.disconnect:
+        res = disconnect_cost(args.model, args.disconnect)
+        console.print(f"small request: idle {res['idle_s'] * 1000:.0f} ms, right after the disconnect "
+                      f"{res['after_disconnect_s'] * 1000:.0f} ms; server CPU in the 2 s after: "
+                      f"{res['cpu_s_after_disconnect']:.1f} s; rows cancelled: {res['cancelled_rows']}")
+        return
     with console.status("starting closedloop serve ..."):
         ctx = serve_subprocess(f"hf:{args.model}", "--torch-threads", "1", *args.serve_arg, served_name="tiny")
         url = ctx.__enter__()
