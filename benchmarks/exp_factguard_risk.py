@@ -1,10 +1,14 @@
 """FactGuard's risk weights move precision and recall (paper 1, checkable (c)): a small local experiment.
 
 Synthetic FactGuard data (half the claims settled by the corpus, half ambiguous), the tiny model,
-SFT on teacher trajectories (search, then answer from the report), then GRPO with the
-decision-aware reward in two arms from the same SFT model, same seeds and steps, differing only in
+SFT on teacher trajectories (answer from the FactProbe report; "real" when it does not settle the
+claim), then GRPO with the decision-aware reward in two arms from the same SFT model, same seeds and steps, differing only in
 α:γ (1:2, where missing a fake costs more, and 2:1, where flagging a real video costs more). Each
 policy is evaluated greedily on the temporal test split; "fake" is the positive class.
+
+By default the FactProbe report on the claim is put in the prompt and the policy answers once
+(``evidence_in_prompt``): the 150k-parameter model does not learn the two-stage tool loop on
+650-token prompts in minutes of CPU; ``--full-agent`` runs the whole agent for a real model.
 
 The paper's claim: raising α relative to γ raises precision and lowers recall
 (FakeSV: 1:2 → P/R 80.8/82.1; 2:1 → 83.2/75.0).
@@ -47,6 +51,8 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=60)
     ap.add_argument("--grpo-steps", type=int, default=30)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--full-agent", action="store_true",
+                    help="the two-stage agent with tools (default: the report in the prompt, one answer)")
     args = ap.parse_args()
 
     import torch
@@ -73,7 +79,11 @@ def main() -> None:
         from closedloop.models.tiny import build_tiny_model
 
         build_tiny_model(base, seed=0, train_steps=300 if args.quick else 1000)
-    env_options = {"data_dir": str(data), "max_turns": 3}
+    env_options: dict = {"data_dir": str(data), "max_turns": 3}
+    if not args.full_agent:  # the tiny model cannot learn the two-stage tool loop on long prompts in minutes
+        env_options.update(evidence_in_prompt=True, max_turns=1, search_k=1,
+                           system_prompt="Is the video real or fake? Reply <think>why</think><answer>real</answer> "
+                                         "or <answer>fake</answer>.")
     experts = expert_trajectories("factguard", range(len(train)), **env_options)
     sft = train_sft(SFTConfig(model=str(base), output_dir=str(out / "sft"), max_steps=args.sft_steps,
                               learning_rate=3e-3, lr_scheduler="cosine", warmup_steps=max(1, args.sft_steps // 20),

@@ -19,7 +19,7 @@ the conversation is in (stage 2 once tool results are present) and ends.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Collection
 
 from langgraph.graph import END, START, StateGraph
 
@@ -66,11 +66,16 @@ def in_stage2(messages: list[_Message]) -> bool:
 
 def build_factguard_graph(client: ModelClient, tools: ToolRegistry | None = None, *,
                           system_prompt: str | None = STAGE1_SYSTEM_PROMPT, params: SamplingParams | None = None,
-                          attach_frames: bool = True, execute_tools: bool = True, checkpointer: Any = None):
-    """Compile the FactGuard graph over ``tools`` (a sample's ``factprobe`` and ``clipscout``)."""
+                          max_turns: int = 2, approve: bool | Collection[str] = False, stream_tokens: bool = False,
+                          execute_tools: bool = True, checkpointer: Any = None, attach_frames: bool = True):
+    """Compile the FactGuard graph over ``tools`` (a sample's ``factprobe`` and ``clipscout``).
+
+    ``max_turns`` is fixed by the design (two stages, at most two model calls per invocation) and
+    accepted for the factory contract; ``approve`` pauses before the named tool calls.
+    """
     tools = tools or ToolRegistry()
-    reason = make_model_node(client, tools, system_prompt=system_prompt, params=params)
-    answer = make_model_node(client, None, system_prompt=system_prompt, params=params)
+    reason = make_model_node(client, tools, system_prompt=system_prompt, params=params, stream_tokens=stream_tokens)
+    answer = make_model_node(client, None, system_prompt=system_prompt, params=params, stream_tokens=stream_tokens)
     graph = StateGraph(AgentState)
     graph.add_node("reason", reason)
     graph.add_node("answer", answer)
@@ -84,7 +89,7 @@ def build_factguard_graph(client: ModelClient, tools: ToolRegistry | None = None
         graph.add_edge("answer", END)
         return graph.compile(checkpointer=checkpointer, name="factguard")
 
-    run_tools = make_tool_node(tools)
+    run_tools = make_tool_node(tools, approve=approve)
 
     async def tools_node(state: AgentState) -> dict[str, Any]:
         update = await run_tools(state)

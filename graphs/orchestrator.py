@@ -59,11 +59,20 @@ def _source_hash(part: Any) -> str:
     return hashlib.sha256(part_bytes(part)[0]).hexdigest()
 
 
-def build_orchestrator_graph(client: ModelClient, tools: Any = None, *, experts: ExpertPool | OrchestratorConfig | str,
+def build_orchestrator_graph(client: ModelClient, tools: Any = None, *,
+                             experts: ExpertPool | OrchestratorConfig | str | None = None,
                              memory: CrossModalMemory | None = None, params: SamplingParams | None = None,
                              max_reprompts: int = 2, max_rounds: int = 4, system_prompt: str | None = None,
                              checkpointer: Any = None, **_: Any):
-    """Compile the orchestrator. ``experts``: a pool, a config, or a YAML path; ``client`` is the controller."""
+    """Compile the orchestrator. ``experts``: a pool, a config, or a YAML path (default:
+    ``$CLOSEDLOOP_EXPERTS``); ``client`` is the controller. Tools are reached as ``tool`` experts."""
+    if experts is None:
+        import os
+
+        experts = os.environ.get("CLOSEDLOOP_EXPERTS")
+        if not experts:
+            raise TypeError("the orchestrator needs experts: experts=<YAML path | OrchestratorConfig | ExpertPool> "
+                            "or CLOSEDLOOP_EXPERTS=<YAML path>")
     if isinstance(experts, str):
         experts = load_config(experts)
     pool = experts if isinstance(experts, ExpertPool) else ExpertPool(experts)

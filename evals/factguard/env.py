@@ -50,6 +50,8 @@ class FactGuardOptions(EnvOptions):
     system_prompt: str | None = STAGE1_SYSTEM_PROMPT
     reward: DecisionReward = DecisionReward()
     asr: str | None = Field(None, description="hf:<speech model> that transcribes videos without a transcript")
+    evidence_in_prompt: bool = Field(False, description="put FactProbe's report on the claim in the first message "
+                                                       "and offer no tools (a one-stage variant for small models)")
 
 
 @functools.lru_cache(maxsize=8)
@@ -111,14 +113,24 @@ class FactGuardEnv(BuiltinEnv):
         # The seed enumerates the samples (seed i -> sample i mod n), so trainers cover the data.
         self.sample = self.samples[self.seed % len(self.samples)]  # type: ignore[operator]
         self.used_tools, self.verdict = [], None
-        self.registry.register(make_factprobe_tool(_backend(str(Path(o.data_dir).resolve())), k=o.search_k))
-        if self.sample.video:
+        probe = make_factprobe_tool(_backend(str(Path(o.data_dir).resolve())), k=o.search_k)
+        evidence = None
+        if o.evidence_in_prompt:
+            query = self.sample.claim or self.sample.metadata[:200] or "video claim"
+            evidence = _backend(str(Path(o.data_dir).resolve())).search(query, o.search_k)
+        else:
+            self.registry.register(probe)
+        if self.sample.video and not o.evidence_in_prompt:
             self.registry.register(make_clipscout_tool(self.sample.video, out_dir=self._tmp.name,
                                                        max_side=o.max_side))
         transcript = self.sample.transcript
         if transcript is None and o.asr and self.sample.video:
             transcript = transcribe(self.sample.video, o.asr)
         text = sample_prompt(self.sample.metadata, transcript)
+        if evidence is not None:
+            from closedloop.tools.factprobe import report
+
+            text = f"{report(self.sample.claim or '', evidence, max_snippet=120)}\n{text}"
         user: UserMessage
         if o.vision and self.sample.video:
             buf = Path(self._tmp.name) / f"overview-{self.sample.id}.png"
@@ -162,7 +174,9 @@ class FactGuardEnv(BuiltinEnv):
         needs evidence). Trajectories of it are SFT data."""
         assert self.sample is not None
         reports = [m.content for m in self.messages if isinstance(m, ToolMessage) and isinstance(m.content, str)]
-        if not reports:
+        if self.options.evidence_in_prompt:  # type: ignore[attr-defined]
+            reports = [m.text for m in self.messages if isinstance(m, UserMessage)]
+        elif not reports:
             query = self.sample.claim or self.sample.metadata[:200] or "video claim"
             return AssistantMessage(content="<think>The claim is unverified; I search for evidence.</think>",
                                     tool_calls=[ToolCall.make("factprobe", {"query": query})])
