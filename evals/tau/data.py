@@ -85,6 +85,8 @@ class DomainData:
 
     @property
     def policy(self) -> str:
+        if self.domain.policy_text is not None:
+            return self.domain.policy_text(self.folder)
         path = self.folder / self.domain.policy_file
         if not path.is_file():
             raise TauDataError(f"policy file {path} is missing")

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 from closedloop.evals.tau.domains.base import TauDB, Toolkit
 
 __all__ = ["Domain", "register_domain", "get_domain", "available_domains", "UnknownDomainError"]
 
 ENTRY_POINT_GROUP = "closedloop.domains"
-_BUILTINS = {"retail": "closedloop.evals.tau.domains.retail", "airline": "closedloop.evals.tau.domains.airline"}
+_BUILTINS = {"retail": "closedloop.evals.tau.domains.retail", "airline": "closedloop.evals.tau.domains.airline",
+             "telecom": "closedloop.evals.tau.domains.telecom"}
 _REGISTRY: dict[str, "Domain"] = {}
 
 
@@ -40,6 +42,8 @@ class Domain:
     user_db_model: type[TauDB] | None = None
     user_toolkit: Callable[[TauDB], Toolkit] | None = None
     policy_file: str = "policy.md"
+    policy_text: Callable[[Path], str] | None = None  # composes the policy from the domain folder (telecom)
+    sync_tools: Callable[[Any], None] | None = None  # reconciles agent and user DBs after each step (tau2)
 
 
 def register_domain(domain: Domain, *, replace: bool = False) -> Domain:
