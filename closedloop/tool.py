@@ -16,7 +16,8 @@ working set would exceed the tool's memory ceiling. A result that is not valid J
 ``Infinity``) never reaches the model.
 
 Where a call runs (``isolation``): ``"inline"`` awaits an async tool on the event loop (a timeout
-cancels it); ``"thread"`` runs a sync tool on a daemon worker thread (reused when idle, one more
+cancels it), or calls a sync tool whose author declared it trivial (``isolation="inline"`` given
+explicitly, e.g. arithmetic: it blocks the loop for its duration and has no timeout); ``"thread"`` runs a sync tool on a daemon worker thread (reused when idle, one more
 when all are busy, never an executor's fixed pool), so a call that times out can
 neither starve other tools nor keep the process from exiting, and it is counted as still running
 until it ends (a tool with too many such calls is refused until they finish: a thread cannot be
@@ -154,9 +155,9 @@ class Tool:
         self.isolation: Isolation = isolation or ("inline" if self.is_async else "thread")
         if self.isolation not in ("inline", "thread", "process"):
             raise ToolDefinitionError(f"tool {self.name}: isolation must be 'inline', 'thread' or 'process'")
-        if self.isolation == "inline" and not self.is_async:
-            raise ToolDefinitionError(f"tool {self.name}: a sync function cannot run inline (it would block the "
-                                      f"event loop); use isolation='thread' or 'process'")
+        # A sync function runs inline only when its author says so (isolation="inline" given
+        # explicitly): for trivial pure functions such as arithmetic, a thread hop costs more than
+        # the call. It then blocks the event loop for its duration, and has no timeout.
         if self.isolation == "thread" and self.is_async:
             raise ToolDefinitionError(f"tool {self.name}: an async function runs inline or in a process")
         if self.isolation == "process" and "<locals>" in getattr(fn, "__qualname__", "<locals>"):
@@ -205,11 +206,17 @@ class Tool:
 
     @property
     def parameters(self) -> dict[str, Any]:
+        """The arguments' JSON schema (read-only: computed once per argument model, because pydantic
+        rebuilds it from scratch on every call, which cost more than a small tool's whole call)."""
+        cached = self.__dict__.get("_parameters_cache")
+        if cached is not None and cached[0] is self.args_model:
+            return cached[1]
         schema = self.args_model.model_json_schema()
         schema.pop("title", None)
         for prop in schema.get("properties", {}).values():
             prop.pop("title", None)
         schema.setdefault("properties", {})
+        self.__dict__["_parameters_cache"] = (self.args_model, schema)
         return schema
 
     @property
@@ -284,6 +291,8 @@ class Tool:
                 value = await self._call_in_process(kwargs)
             elif self.isolation == "thread":
                 value = await self._call_in_thread(kwargs)
+            elif not self.is_async:
+                value = self.fn(**kwargs)
             else:
                 coro = self.fn(**kwargs)
                 value = await asyncio.wait_for(coro, self.timeout_s) if self.timeout_s else await coro

@@ -9,7 +9,7 @@ from __future__ import annotations
 from closedloop.tool import Tool, tool
 
 
-@tool
+@tool(isolation="inline")  # pure arithmetic: a thread hop would cost more than the call
 def add(a: float, b: float) -> float:
     """Add two numbers.
 
@@ -20,7 +20,7 @@ def add(a: float, b: float) -> float:
     return a + b
 
 
-@tool
+@tool(isolation="inline")  # pure arithmetic: a thread hop would cost more than the call
 def multiply(a: float, b: float) -> float:
     """Multiply two numbers.
 

@@ -45,7 +45,7 @@ __all__ = ["CalcEnv", "CalcOptions", "CalcProblem", "Step", "generate_problem", 
 MAX_LEVEL = 4
 
 
-@tool
+@tool(isolation="inline")  # pure arithmetic: a thread hop would cost more than the call
 def subtract(a: float, b: float) -> float:
     """Subtract the second number from the first.
 
@@ -56,7 +56,7 @@ def subtract(a: float, b: float) -> float:
     return a - b
 
 
-@tool
+@tool(isolation="inline")  # pure arithmetic: a thread hop would cost more than the call
 def divide(a: float, b: float) -> float:
     """Divide the first number by the second.
 
