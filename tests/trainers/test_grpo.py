@@ -59,9 +59,12 @@ def test_trained_ids_are_the_sampled_ids_and_old_logprobs_match_the_trainer(poli
             for v in views:
                 ids = batch.input_ids[row, :len(v.input_ids)].tolist()
                 assert ids == v.input_ids
-                # every sampled completion appears verbatim where the mask is 1
+                # every sampled completion of the view's turns appears verbatim where the mask is 1
+                # (an episode has several views when a prompt does not extend the previous sequence,
+                # e.g. after a reply cut at max_tokens whose markup re-renders as text)
                 trained = [i for i, m in zip(ids, batch.loss_mask[row].tolist()) if m]
-                assert trained == [t for turn in ep.trajectory.turns for t in turn.completion_ids][:len(trained)]
+                view_turns = sorted({t for t in v.turn_index if t >= 0})
+                assert trained == [t for k in view_turns for t in ep.trajectory.turns[k].completion_ids]
                 row += 1
     assert row == len(batch)
     # The recorded sampling logprobs (hf:, tempered) are what the trainer recomputes at the same
