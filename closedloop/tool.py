@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from closedloop.messages import ToolCall, ToolMessage
 
-__all__ = ["Tool", "ToolResult", "ToolRegistry", "tool", "ToolDefinitionError", "DEFAULT_REGISTRY", "ArgumentLimits",
+__all__ = ["Tool", "ToolResult", "ToolRegistry", "tool", "ToolDefinitionError", "ArgumentLimits",
            "Isolation", "still_running", "parse_arguments", "ToolArgumentError"]
 
 Isolation = Literal["inline", "thread", "process"]
@@ -678,7 +678,3 @@ class ToolRegistry:
 
     async def call_json(self, name: str, arguments: str | dict[str, Any]) -> ToolResult:
         return await self.call(ToolCall.make(name, arguments))
-
-
-# Tools that plugins (closedloop.tools.*) register on import; see closedloop.plugins.
-DEFAULT_REGISTRY = ToolRegistry()
