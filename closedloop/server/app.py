@@ -46,6 +46,9 @@ error shape, never a 500.
   ``"tool_calls"`` means every call was completed.
 * A client that disconnects (streaming or not) cancels its generation: the hf: backend drops the
   row from the running batch (``/health`` reports ``cancelled_rows``).
+* Sampling values inside OpenAI's ranges are never refused for being tiny: a ``temperature`` of
+  1e-300 is sampled at 0.01 and a ``top_p`` of 1e-300 keeps the top token (vLLM's handling, done
+  per row in hf:), so one request cannot fail the others in its device batch.
 
 Admin endpoints (closedloop-specific, for a trainer whose rollouts come from this server):
 
