@@ -207,7 +207,7 @@ class _Escaper:
 
     def value(self, v: Any, key: str | None = None) -> Any:
         if isinstance(v, str):
-            return v if key in ("role", "type") else self.text(v)
+            return v if key == "role" else self.text(v)  # roles are our fixed literals
         if isinstance(v, dict):
             return {(self.text(k) if isinstance(k, str) else k): self.value(x, k) for k, x in v.items()}
         if isinstance(v, list):
