@@ -22,6 +22,7 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_THINK_BLOCK_RE = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 _NAME_RE = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _ARGS_RE = re.compile(r'"(?:arguments|parameters)"\s*:\s*(.*)', re.DOTALL)
 
@@ -113,19 +114,39 @@ def _parse_call(body: str) -> ToolCall | None:
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
-    """``(reasoning, rest)``: a ``<think>`` block split off. An unclosed block is all reasoning,
-    as happens when generation stops mid-thought."""
-    start = text.find(THINK_OPEN)
-    end = text.find(THINK_CLOSE)
-    if end != -1 and (start == -1 or start < end):
-        # Some templates put <think> in the prompt, so the completion starts inside the block.
-        begin = start + len(THINK_OPEN) if start != -1 else 0
-        reasoning = text[begin:end].strip()
-        rest = text[:max(start, 0)] + text[end + len(THINK_CLOSE):]
-        return reasoning or None, rest
-    if start != -1:
-        return text[start + len(THINK_OPEN):].strip() or None, text[:start]
-    return None, text
+    """``(reasoning, visible)``: the one rule for chain-of-thought markup, used by every backend and
+    by the τ-bench orchestrator.
+
+    Every ``<think>…</think>`` block is reasoning; a ``</think>`` before any ``<think>`` means the
+    template opened the block in the prompt (Qwen3-style), so everything before it is reasoning; an
+    unclosed ``<think>`` makes the rest reasoning (generation stopped mid-thought); a stray
+    ``</think>`` left after that makes everything before it reasoning.
+    """
+    reasoning: list[str] = []
+    visible = text
+    close, open_ = visible.find(THINK_CLOSE), visible.find(THINK_OPEN)
+    if close != -1 and (open_ == -1 or close < open_):
+        reasoning.append(visible[:close])
+        visible = visible[close + len(THINK_CLOSE):]
+    while True:
+        m = _THINK_BLOCK_RE.search(visible)
+        if m is None:
+            break
+        reasoning.append(m.group(1))
+        visible = visible[:m.start()] + visible[m.end():]
+    if THINK_CLOSE in visible:
+        head, visible = visible.rsplit(THINK_CLOSE, 1)
+        reasoning.append(head)
+    if THINK_OPEN in visible:
+        visible, tail = visible.split(THINK_OPEN, 1)
+        reasoning.append(tail)
+    joined = "\n".join(r.strip() for r in reasoning if r.strip())
+    return joined or None, visible
+
+
+def strip_reasoning(text: str | None) -> str:
+    """The visible text of a reply (:func:`split_reasoning`'s second half), stripped."""
+    return split_reasoning(text or "")[1].strip()
 
 
 def parse_completion(text: str, end_markers: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>"),

@@ -18,7 +18,6 @@ orchestrator executes tool calls itself; an agent must not call the tools direct
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from datetime import datetime, timezone
 from enum import Enum
@@ -30,6 +29,7 @@ from closedloop.evals.tau.environment import Environment
 from closedloop.evals.tau.simulation import SimulationRun, TerminationReason
 from closedloop.messages import AssistantMessage, SystemMessage, Turn, Usage, UserMessage, _Message
 from closedloop.models.base import ModelClient, ModelError, SamplingParams
+from closedloop.models.chat_format import strip_reasoning
 from closedloop.tool import Tool
 
 __all__ = ["GREETING", "STOP", "TRANSFER", "OUT_OF_SCOPE", "USER_STOP_TOKENS", "AGENT_INSTRUCTION",
@@ -88,24 +88,9 @@ _USER_SYSTEM = """
 </scenario>
 """.strip()
 
-_THINK = re.compile(r"<think>.*?</think>", re.S)
-
 
 def agent_system_prompt(policy: str) -> str:
     return _AGENT_SYSTEM.format(agent_instruction=AGENT_INSTRUCTION, domain_policy=policy)
-
-
-def strip_reasoning(text: str | None) -> str:
-    """Text with chain-of-thought removed: ``<think>…</think>`` blocks, and everything up to a
-    closing ``</think>`` whose opening tag was in the prompt (Qwen3-style templates)."""
-    if not text:
-        return ""
-    text = _THINK.sub("", text)
-    if "</think>" in text:
-        text = text.rsplit("</think>", 1)[1]
-    if "<think>" in text:  # unterminated: the rest is reasoning
-        text = text.split("<think>", 1)[0]
-    return text.strip()
 
 
 def load_user_guidelines(data_root: str | Path | None) -> str:

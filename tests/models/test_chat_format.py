@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from closedloop.messages import AssistantMessage, SystemMessage, ToolCall, ToolMessage, UserMessage
 from closedloop.models.chat_format import parse_completion, render_messages, select_tools, split_reasoning
 
@@ -86,3 +88,19 @@ def test_select_tools_follows_tool_choice():
         assert "zzz" in str(e)
     else:
         raise AssertionError("unknown tool_choice name must be rejected")
+
+
+@pytest.mark.parametrize("text,reasoning,visible", [
+    ("<think>a</think>b", "a", "b"),
+    ("a</think>b", "a", "b"),  # the template opened the block in the prompt (Qwen3)
+    ("b<think>a", "a", "b"),  # generation stopped mid-thought
+    ("x<think>a</think>y<think>b</think>z", "a\nb", "xyz"),  # every block, not only the first
+    ("<think>a</think>b</think>c", "a\nb", "c"),
+    ("plain", None, "plain"),
+])
+def test_one_reasoning_rule(text, reasoning, visible):
+    from closedloop.evals.tau.orchestrator import strip_reasoning as tau_strip
+    from closedloop.models.chat_format import split_reasoning, strip_reasoning
+
+    assert split_reasoning(text) == (reasoning, visible)
+    assert strip_reasoning(text) == tau_strip(text) == visible.strip()
