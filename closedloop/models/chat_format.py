@@ -19,6 +19,9 @@ from closedloop.messages import (AssistantMessage, SystemMessage, ToolCall, Tool
                                  content_text)
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+#: End-of-turn markers of the chat formats we read (ChatML/Qwen, GPT-style, Llama 3): the one list
+#: the backends stop on and the parser cuts at (a tokenizer's own EOS is added by each backend).
+END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
@@ -149,7 +152,7 @@ def strip_reasoning(text: str | None) -> str:
     return split_reasoning(text or "")[1].strip()
 
 
-def parse_completion(text: str, end_markers: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>"),
+def parse_completion(text: str, end_markers: tuple[str, ...] = END_MARKERS,
                      tool_names: Collection[str] | None = None) -> AssistantMessage:
     """Raw completion text (markup included) -> an :class:`AssistantMessage`; never raises.
 

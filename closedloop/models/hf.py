@@ -59,7 +59,7 @@ from closedloop.models.base import (ContextLengthExceededError, GenerateRequest,
                                     StreamEvent,
                                     TextDelta, ToolChoice, TurnDone)
 from closedloop.models.batching import MicroBatcher, settle
-from closedloop.models.chat_format import decode_ids, encode_prompt, parse_completion
+from closedloop.models.chat_format import END_MARKERS, decode_ids, encode_prompt, parse_completion
 from closedloop.models.multimodal import require_text_only
 
 log = logging.getLogger("closedloop.models.hf")
@@ -220,7 +220,7 @@ class HFClient(ModelClient):
             elif isinstance(source, (list, tuple)):
                 ids.update(int(i) for i in source)
         vocab = self.tokenizer.get_vocab()
-        ids.update(vocab[t] for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>") if t in vocab)
+        ids.update(vocab[t] for t in END_MARKERS if t in vocab)
         if not ids:
             raise ModelError("the tokenizer defines no end-of-sequence token")
         return ids

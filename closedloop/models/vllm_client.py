@@ -58,7 +58,7 @@ from typing import Any, Iterable, Iterator
 from closedloop.messages import LogprobSpec, Turn, Usage, _Message
 from closedloop.models.base import GenerateRequest, ModelClient, ModelError, SamplingParams, ToolChoice
 from closedloop.models.batching import MicroBatcher, settle
-from closedloop.models.chat_format import decode_ids, encode_prompt, parse_completion
+from closedloop.models.chat_format import END_MARKERS, decode_ids, encode_prompt, parse_completion
 
 INSTALL_HINT = "the vllm: backend needs vLLM and a GPU: pip install closedloop[vllm]"
 
@@ -149,7 +149,7 @@ class VLLMClient(ModelClient):
         self._batcher: MicroBatcher[_Pending] = MicroBatcher(self._run_batch, wait_s=self.batch_wait_s,
                                                              name="closedloop-vllm")
         vocab = self.tokenizer.get_vocab()
-        self._end_markers = tuple(t for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", self.tokenizer.eos_token)
+        self._end_markers = tuple(t for t in (*END_MARKERS, self.tokenizer.eos_token)
                                   if t and t in vocab)
 
     # ------------------------------------------------------------------ helpers
