@@ -17,7 +17,13 @@ it (at a fixed point Ĉ_k = b_k or λ_k = 0). Logged per step: ``constraint/<nam
 ``/lambda`` (the value used in this step), ``/violation`` (Ĉ − b), plus ``reward`` (task reward,
 penalty excluded, comparable with an unconstrained run) and ``reward_penalized`` (what the
 advantages saw). Each episode's costs are kept in ``trajectory.metadata["costs"]`` (and so in the
-store). TRL has no equivalent (its constrained-optimisation request has been open since 2024).
+store).
+
+Interaction with group normalisation: with ``scale_rewards: group`` the advantages are scale-free
+within a group, so λ's size matters only against the task reward's own variance there; in a group
+whose task rewards are all equal, any λ > 0 ranks the episodes by cost at full strength, and a
+group whose costs are all equal gets no push at all (the penalty cancels in the mean). With
+``scale_rewards: none`` the penalty's magnitude counts directly. TRL has no equivalent (its constrained-optimisation request has been open since 2024).
 """
 
 from __future__ import annotations
