@@ -63,6 +63,7 @@ class KernelEvalConfig(BaseModel):
     recheck: bool = True
     cache_dir: str | None = None
     compile_workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1))
+    compile_wall_s: float = 900.0  # building torch extensions takes minutes on a loaded machine
     limits: SandboxLimits = Field(default_factory=lambda: SandboxLimits(wall_s=180, cpu_s=600, memory_mb=8192,
                                                                          processes=256, file_size_mb=512,
                                                                          open_files=1024))
@@ -236,8 +237,11 @@ class KernelEvaluator:
     async def _phase(self, problem_code: str, code: str, phase: str) -> tuple[SandboxResult, Path]:
         staging = Path(tempfile.mkdtemp(prefix="closedloop-kbuild-"))
         try:
+            limits = _limits(self.config, str(staging))
+            if phase == "compile":
+                limits.wall_s = max(limits.wall_s, self.config.compile_wall_s)
             res = await arun_sandboxed(_WORKER, _request(problem_code, code, self.config, phase, str(staging)),
-                                       limits=_limits(self.config, str(staging)))
+                                       limits=limits)
             if res.status == "ok":
                 _publish(staging, self.config.cache_path())
             return res, staging
@@ -256,7 +260,12 @@ class KernelEvaluator:
             if res.status == "compiled":
                 return
             res.timed = bool(res.timings)
-            if res.status == "correct" and res.speedup is not None and res.speedup > self.config.suspicious_speedup:
+            # Flag on both the mean (KernelBench's speedup) and the median: one stalled reference
+            # iteration on a busy machine inflates the mean, not the median.
+            med = res.timings.get("reference", {}).get("median", 0.0) / max(
+                res.timings.get("candidate", {}).get("median", 0.0), 1e-9) if res.timings else None
+            if res.status == "correct" and res.speedup is not None and res.speedup > self.config.suspicious_speedup \
+                    and (med is None or med > self.config.suspicious_speedup):
                 res.status = "suspicious"
                 res.message += (f"; a speedup of {res.speedup:.3g}x is above {self.config.suspicious_speedup:g}x: "
                                 "kept out of fast_p until reviewed")

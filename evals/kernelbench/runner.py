@@ -125,7 +125,7 @@ def graph_agent(agent: str, model: Any, *, backend: str = "cpu", rounds: int | N
     client = make_client(model) if isinstance(model, str) else model
 
     async def run(problem: Problem, sample_id: int, evaluator: KernelEvaluator):
-        tools = make_kernel_tools(problem, backend, config=evaluator.config)
+        tools = make_kernel_tools(problem, backend, config=evaluator.config, slots=evaluator.slots)
         kwargs: dict[str, Any] = {"backend": backend}
         if rounds is not None:
             kwargs["rounds"] = rounds

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from closedloop.evals.harness.runner import ResourceSlots
 from closedloop.sandbox import SandboxLimits
 from closedloop.tool import Tool, ToolRegistry
 from closedloop.evals.kernelbench.evaluate import KernelEvalConfig, KernelEvaluator
@@ -24,16 +25,19 @@ def _as_problem(problem: Problem | str | Path) -> Problem:
 
 
 def make_kernel_tools(problem: Problem | str | Path, backend: str = "cpu", *, scale: float = 1.0,
-                      limits: SandboxLimits | None = None, config: KernelEvalConfig | None = None) -> ToolRegistry:
+                      limits: SandboxLimits | None = None, config: KernelEvalConfig | None = None,
+                      slots: ResourceSlots | None = None) -> ToolRegistry:
     """A registry with ``evaluate_kernel(code)`` and ``profile_kernel(code)`` bound to ``problem``.
 
-    ``config`` overrides everything else (trials, tolerances, cache dir, policy mode).
+    ``config`` overrides everything else (trials, tolerances, cache dir, policy mode). ``slots``
+    shares the device's timing slot with other evaluators (a batch of concurrent agents), so
+    timings never overlap.
     """
     prob = _as_problem(problem)
     cfg = config.model_copy(deep=True) if config is not None else KernelEvalConfig(backend=backend, scale=scale)
     if config is None and limits is not None:
         cfg.limits = limits
-    evaluator = KernelEvaluator(cfg)
+    evaluator = KernelEvaluator(cfg, slots=slots)
     timeout = 2 * cfg.limits.wall_s + 30
 
     async def evaluate_kernel(code: str) -> str:

@@ -83,7 +83,7 @@ def test_kernel_graph_with_a_scripted_model(relu_result, kb_cache, problems, tmp
     store = RunStore(tmp_path / "runs.duckdb")
     runner = KernelBenchRunner(settings, [problems[1]], store, agent=graph_agent("kernel", client, rounds=1))
     report = asyncio.run(runner.run())
-    assert report.outcomes == {"graded": 1} and report.results[0].status == "correct"
+    assert report.outcomes == {"graded": 1} and report.results[0].correct
     child = store.list_runs(limit=None, parent_id=runner.parent_id)[0]
     run = store.get_run(child.id)
     assert run.messages and "ModelNew" in (child.outcome or {}).get("code", "")
