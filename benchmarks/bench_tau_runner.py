@@ -122,7 +122,8 @@ class Level:
         return self.episodes / self.wall_s * 60
 
 
-async def run_level(data: Any, tasks: list, url: str, store: Any, concurrency: int, episodes: int) -> Level:
+async def run_level(data: Any, tasks: list, url: str, store: Any, concurrency: int, episodes: int,
+                    workers: int | None = None) -> Level:
     from closedloop.evals.tau.agents import make_agent_factory
     from closedloop.evals.tau.runner import EvalSettings, TauRunner
     from closedloop.models import SamplingParams, make_client
@@ -132,7 +133,8 @@ async def run_level(data: Any, tasks: list, url: str, store: Any, concurrency: i
     chosen = tasks[: -(-episodes // trials)]
     agent_client, user_client = make_client(spec), make_client(spec)
     settings = EvalSettings(name=f"bench-c{concurrency}-{time.time_ns()}", domain="retail", agent="react",
-                            model=spec, user_model=spec, trials=trials, concurrency=concurrency, max_steps=20)
+                            model=spec, user_model=spec, trials=trials, concurrency=concurrency, max_steps=20,
+                            workers=workers)
     factories = {k: make_agent_factory("react", agent_client, params=SamplingParams(temperature=0.0, max_tokens=64,
                                                                                       seed=s))
                  for k, s in enumerate(settings.seeds)}
@@ -161,6 +163,8 @@ def main() -> int:
                    help="episodes per level (one value for all, or one per --concurrency value)")
     p.add_argument("--latency", type=float, default=0.2, help="seconds per model response")
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--workers", type=int, default=None,
+                   help="grading processes (default: by concurrency, see closedloop.evals.tau.workers; 0: none)")
     p.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # internal: run the model server on this port
     p.add_argument("--user-id", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -195,7 +199,7 @@ def main() -> int:
                     raise SystemExit("the model server did not start")
                 time.sleep(0.2)
             store = RunStore(Path(tmp) / "runs.duckdb")
-            levels = [asyncio.run(run_level(data, tasks, url, store, c, n))
+            levels = [asyncio.run(run_level(data, tasks, url, store, c, n, args.workers))
                       for c, n in zip(args.concurrency, episodes)]
         finally:
             server.terminate()
