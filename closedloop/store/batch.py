@@ -23,6 +23,7 @@ import duckdb
 
 from closedloop.messages import LogprobSpec, Turn, _Message
 from closedloop.store.codec import encode_floats, encode_ids, encode_mask
+from closedloop.store.media import MediaSink, externalize_json, might_hold_media, might_hold_refs
 from closedloop.store.redact import might_hold_secret, redact, redact_arguments, redact_message_json, redact_text
 from closedloop.store.schema import MESSAGE_COLUMNS, METRIC_COLUMNS, TOOL_CALL_COLUMNS, TURN_COLUMNS
 
@@ -76,6 +77,7 @@ class PreparedTurn:
     trainable: bool
     purpose: str
     unavailable: str | None
+    media: str | None = None  # Turn.media as JSON (content addresses); None when the prompt had none
 
 
 @dataclass(slots=True)
@@ -89,22 +91,31 @@ class PreparedToolCall:
     latency_s: float | None
 
 
-def _message_json(message: _Message, secrets: list[str]) -> str:
+def _message_json(message: _Message, secrets: list[str], media: MediaSink | None = None) -> str:
     """Redacted JSON of a message; pydantic's own serialiser (3x faster than dump + json.dumps) when
-    the text cannot hold a secret, the full redaction otherwise."""
+    the text cannot hold a secret, the full redaction otherwise. With ``media``, image/audio
+    payloads are moved out first (:mod:`closedloop.store.media`), so the secret check and the
+    redaction never scan base64."""
     text = message.model_dump_json(exclude_none=True)
+    if media is not None and might_hold_media(text):
+        text = externalize_json(text, media)
     if not might_hold_secret(text, secrets):
         return text
-    return _redacted_message_json(message, secrets)
+    return _redacted_message_json(message, secrets, text)
 
 
-def _redacted_message_json(message: _Message, secrets: list[str]) -> str:
+def _redacted_message_json(message: _Message, secrets: list[str], text: str | None = None) -> str:
+    """The redacted JSON; ``text``: the message's JSON as prepared, redacted as is when it holds
+    media references (so they stay references), else the message is dumped again."""
+    if text is not None and might_hold_refs(text):
+        return redact_message_json(json.loads(text), secrets)
     return redact_message_json(message.model_dump(mode="json", exclude_none=True), secrets)
 
 
-def prepare_message(message: _Message, secrets: list[str]) -> tuple[str, str]:
-    """(role, redacted JSON)."""
-    return message.role, _message_json(message, secrets)
+def prepare_message(message: _Message, secrets: list[str], media: MediaSink | None = None) -> tuple[str, str]:
+    """(role, redacted JSON); with ``media``, image/audio payloads become references and their
+    bytes go to the sink (the store writes them in the rows' transaction)."""
+    return message.role, _message_json(message, secrets, media)
 
 
 # LogprobSpec JSON by value: a batch has a handful of distinct specs, each serialised once.
@@ -128,8 +139,14 @@ def _turn_texts(turn: Turn, spec: str | None, unavailable: str | None) -> str:
     return f"{turn.model}\0{turn.finish_reason}\0{turn.purpose}\0{spec}\0{unavailable}\0{turn.completion_text}"
 
 
+def _media_json(turn: Turn) -> str | None:
+    if not turn.media:
+        return None
+    return "[" + ",".join(r.model_dump_json() for r in turn.media) + "]"
+
+
 def prepare_turn(turn: Turn, secrets: list[str], message_json: str | None = None, *,
-                 clean: bool = False, unavailable: str | None = None) -> PreparedTurn:
+                 clean: bool = False, unavailable: str | None = None, media: MediaSink | None = None) -> PreparedTurn:
     """Redaction, token counts and the array BLOBs, done before any transaction so the file lock
     is held briefly.
 
@@ -137,10 +154,11 @@ def prepare_turn(turn: Turn, secrets: list[str], message_json: str | None = None
     list of its trajectory), so it is not serialised and redacted twice. Every text field is
     checked for secrets (token ids, logprobs and the mask are numbers and cannot hold one);
     ``clean``: the caller has checked them already, with :func:`might_hold_secret` answering no
-    (and passes ``unavailable`` as it serialised it for that check).
+    (and passes ``unavailable`` as it serialised it for that check). ``media``: see
+    :func:`prepare_message`.
     """
     if message_json is None:
-        message_json = _message_json(turn.message, secrets)
+        message_json = _message_json(turn.message, secrets, media)
     spec = _spec_json(turn.logprob_spec)
     if unavailable is None and turn.unavailable:
         unavailable = json.dumps(turn.unavailable)
@@ -166,11 +184,11 @@ def prepare_turn(turn: Turn, secrets: list[str], message_json: str | None = None
         prompt_tokens=turn.usage.prompt_tokens or len(prompt_ids or ()),
         completion_tokens=turn.usage.completion_tokens or len(completion_ids or ()),
         cost_usd=turn.usage.cost_usd, latency_s=turn.latency_s, logprob_spec=spec,
-        trainable=turn.trainable, purpose=purpose, unavailable=unavailable)
+        trainable=turn.trainable, purpose=purpose, unavailable=unavailable, media=_media_json(turn))
 
 
-def prepare_episode(messages: Sequence[_Message], turns: Sequence[Turn],
-                    secrets: list[str]) -> tuple[list[tuple[str, str]], list[PreparedTurn]]:
+def prepare_episode(messages: Sequence[_Message], turns: Sequence[Turn], secrets: list[str],
+                    media: MediaSink | None = None) -> tuple[list[tuple[str, str]], list[PreparedTurn]]:
     """Messages and turns of one episode; a turn's message that is also in ``messages`` (the same
     object, as graphs and environments produce them) is serialised once.
 
@@ -178,19 +196,26 @@ def prepare_episode(messages: Sequence[_Message], turns: Sequence[Turn],
     :func:`might_hold_secret` over all of them joined by NUL (which no trigger or JSON-plain
     secret contains, so nothing can match across a boundary) clears the common episode without
     a credential in one pass; otherwise each text is checked and redacted on its own.
+
+    ``media``: image/audio payloads become references, bytes to the sink, before any secret check
+    (a text without media parts pays one substring test).
     """
     jsons = [m.model_dump_json(exclude_none=True) for m in messages]
     by_id = {id(m): i for i, m in enumerate(messages)}
     turn_jsons = [None if id(t.message) in by_id else t.message.model_dump_json(exclude_none=True) for t in turns]
+    if media is not None:
+        jsons = [externalize_json(js, media) if might_hold_media(js) else js for js in jsons]
+        turn_jsons = [externalize_json(js, media) if js is not None and might_hold_media(js) else js
+                      for js in turn_jsons]
     unavailable = [json.dumps(t.unavailable) if t.unavailable else None for t in turns]
     texts = [*jsons, *(j for j in turn_jsons if j is not None),
              *(_turn_texts(t, _spec_json(t.logprob_spec), u) for t, u in zip(turns, unavailable))]
     clean = not might_hold_secret("\0".join(texts), secrets)
     if not clean:
-        jsons = [js if not might_hold_secret(js, secrets) else _redacted_message_json(m, secrets)
+        jsons = [js if not might_hold_secret(js, secrets) else _redacted_message_json(m, secrets, js)
                  for m, js in zip(messages, jsons)]
         turn_jsons = [js if js is None or not might_hold_secret(js, secrets)
-                      else _redacted_message_json(t.message, secrets) for t, js in zip(turns, turn_jsons)]
+                      else _redacted_message_json(t.message, secrets, js) for t, js in zip(turns, turn_jsons)]
     prepared_messages = [(m.role, js) for m, js in zip(messages, jsons)]
     return prepared_messages, [prepare_turn(t, secrets, js if js is not None else jsons[by_id[id(t.message)]],
                                             clean=clean, unavailable=u)
@@ -231,7 +256,7 @@ def turn_row(run_id: str, idx: int, t: PreparedTurn, cost: float | None, now: da
     """One ``turns`` row in :data:`TURN_COLUMNS` order."""
     return [run_id, idx, t.model, t.message, t.prompt_ids, t.completion_ids, t.logprobs, t.loss_mask,
             t.completion_text, t.finish_reason, t.prompt_tokens, t.completion_tokens, cost, t.latency_s, now,
-            t.logprob_spec, t.trainable, t.purpose, t.unavailable]
+            t.logprob_spec, t.trainable, t.purpose, t.unavailable, t.media]
 
 
 _ARROW_READY = False
@@ -279,7 +304,7 @@ def _arrow_types() -> dict[str, dict[str, Any]]:
                   "completion_text": pa.string(), "finish_reason": pa.string(), "prompt_tokens": pa.int64(),
                   "completion_tokens": pa.int64(), "cost_usd": pa.float64(), "latency_s": pa.float64(),
                   "created_at": ts, "logprob_spec": pa.string(), "trainable": pa.bool_(), "purpose": pa.string(),
-                  "unavailable": pa.string()},
+                  "unavailable": pa.string(), "media": pa.string()},
         "tool_calls": {"run_id": pa.string(), "idx": pa.int32(), "turn_idx": pa.int32(), "call_id": pa.string(),
                        "name": pa.string(), "arguments": pa.string(), "result": pa.string(), "error": pa.string(),
                        "error_kind": pa.string(), "latency_s": pa.float64(), "created_at": ts},

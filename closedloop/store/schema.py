@@ -136,6 +136,7 @@ _TURNS_V3 = """CREATE TABLE turns_v3 (
     )"""
 _ARRAY_COLUMNS = ("prompt_ids", "completion_ids", "logprobs", "loss_mask")
 _MIGRATION_CHUNK = 20_000
+_MEDIA_MIGRATION_CHUNK = 256
 
 
 def _v2_to_v3(con: duckdb.DuckDBPyConnection) -> None:
@@ -150,7 +151,7 @@ def _v2_to_v3(con: duckdb.DuckDBPyConnection) -> None:
     """
     con.execute(_TURNS_V3)
     top = con.execute("SELECT max(rowid) FROM turns").fetchone()[0]
-    cols = ", ".join(TURN_COLUMNS)
+    cols = ", ".join(_TURN_COLUMNS_V3)
     if top is not None:  # a fresh file has nothing to copy and need not import pyarrow
         import pyarrow as pa
 
@@ -163,10 +164,10 @@ def _v2_to_v3(con: duckdb.DuckDBPyConnection) -> None:
                            [lo, lo + _MIGRATION_CHUNK]).fetchall()
         if not rows:
             continue
-        columns = dict(zip(TURN_COLUMNS, map(list, zip(*rows))))
+        columns = dict(zip(_TURN_COLUMNS_V3, map(list, zip(*rows))))
         for name in _ARRAY_COLUMNS:
             columns[name] = list_column_to_blob(columns[name], name)
-        chunk = pa.table({c: pa.array(columns[c], type=types[c]) for c in TURN_COLUMNS})
+        chunk = pa.table({c: pa.array(columns[c], type=types[c]) for c in _TURN_COLUMNS_V3})
         con.register("_closedloop_migrate_turns", chunk)
         try:
             con.execute(f"INSERT INTO turns_v3 ({cols}) SELECT {cols} FROM _closedloop_migrate_turns")
@@ -187,12 +188,44 @@ def _v2_to_v3(con: duckdb.DuckDBPyConnection) -> None:
     con.execute("ALTER TABLE messages_v3 RENAME TO messages")
 
 
-MIGRATIONS: list[Callable[[duckdb.DuckDBPyConnection], None]] = [_v0_to_v1, _v1_to_v2, _v2_to_v3]
+def _v3_to_v4(con: duckdb.DuckDBPyConnection) -> None:
+    """Media as artifacts (:mod:`closedloop.store.media`): the ``media`` and ``run_media`` tables,
+    a ``turns.media`` column for each turn's content addresses (``Turn.media``), and every image or
+    audio payload already inline in ``messages.json`` or ``turns.message`` moved out, rows a
+    chunk at a time (only rows whose JSON has a media part are read), so the file holds no base64
+    in message rows afterwards and reads restore the same parts as before."""
+    from closedloop.store.media import MEDIA_TABLES, MediaSink, externalize_json, write_media
+
+    con.execute("ALTER TABLE turns ADD COLUMN media JSON")
+    for stmt in MEDIA_TABLES:
+        con.execute(stmt)
+    now = utcnow()
+    for table, column in (("messages", "json"), ("turns", "message")):
+        ids = [r[0] for r in con.execute(
+            f"SELECT rowid FROM {table} WHERE contains({column}::VARCHAR, '\"image_url\"') OR "
+            f"contains({column}::VARCHAR, '\"input_audio\"') ORDER BY rowid").fetchall()]
+        for lo in range(0, len(ids), _MEDIA_MIGRATION_CHUNK):  # rows with media are big: a few at a time
+            sink, updates, pairs = MediaSink(), [], set()
+            for rowid, run_id, text in con.execute(
+                    f"SELECT rowid, run_id, {column}::VARCHAR FROM {table} WHERE rowid IN "
+                    "(SELECT unnest(?::BIGINT[]))", [ids[lo:lo + _MEDIA_MIGRATION_CHUNK]]).fetchall():
+                moved = externalize_json(text, sink)
+                if moved is not text:
+                    updates.append((moved, rowid))
+                    pairs.update((run_id, h) for h in sink.take())
+            write_media(con, sink, pairs, now)
+            if updates:
+                con.executemany(f"UPDATE {table} SET {column} = ? WHERE rowid = ?", updates)
+
+
+MIGRATIONS: list[Callable[[duckdb.DuckDBPyConnection], None]] = [_v0_to_v1, _v1_to_v2, _v2_to_v3, _v3_to_v4]
 TABLES = ("runs", "messages", "turns", "tool_calls", "metrics")
+# ``turns`` as version 3 left it (the v2 -> v3 copy names exactly these).
+_TURN_COLUMNS_V3 = ("run_id", "idx", "model", "message", "prompt_ids", "completion_ids", "logprobs", "loss_mask",
+                    "completion_text", "finish_reason", "prompt_tokens", "completion_tokens", "cost_usd", "latency_s",
+                    "created_at", "logprob_spec", "trainable", "purpose", "unavailable")
 # Column order of ``turns`` after every migration (inserts name their columns, never rely on position).
-TURN_COLUMNS = ("run_id", "idx", "model", "message", "prompt_ids", "completion_ids", "logprobs", "loss_mask",
-                "completion_text", "finish_reason", "prompt_tokens", "completion_tokens", "cost_usd", "latency_s",
-                "created_at", "logprob_spec", "trainable", "purpose", "unavailable")
+TURN_COLUMNS = _TURN_COLUMNS_V3 + ("media",)
 MESSAGE_COLUMNS = ("run_id", "idx", "role", "json")
 TOOL_CALL_COLUMNS = ("run_id", "idx", "turn_idx", "call_id", "name", "arguments", "result", "error", "error_kind",
                      "latency_s", "created_at")

@@ -50,12 +50,14 @@ from pydantic import BaseModel, TypeAdapter
 
 import closedloop
 from closedloop.config import default_store_path
-from closedloop.messages import (AssistantMessage, LogprobSpec, Message, ToolCall, Trajectory, Turn, Usage, _Message,
-                                 parse_messages)
+from closedloop.messages import (AssistantMessage, LogprobSpec, MediaRef, Message, ToolCall, Trajectory, Turn, Usage,
+                                 _Message, parse_messages)
 from closedloop.store import pricing
 from closedloop.store.batch import (PreparedToolCall, PreparedTurn, Pricer, Rows, ensure_arrow, gc_paused,
                                     prepare_episode, prepare_message, prepare_tool_call, prepare_turn, turn_row)
 from closedloop.store.codec import decode_turn_arrays, turn_arrays_to_lists
+from closedloop.store.media import (MediaMode, MediaSink, Restorer, collect_garbage, fetch_media, referenced_hashes,
+                                    write_media)
 from closedloop.store.process import hostname, pid_alive, process_start
 from closedloop.store.records import (TERMINAL_STATUSES, RunRecord, RunSummary, ToolCallRecord, reward_dict,
                                       trajectory_metadata, utcnow)
@@ -358,13 +360,16 @@ class RunStore:
         """Append messages (or, with ``replace``, rewrite the run's message list); returns the count."""
         typed = parse_messages(list(messages))
         secrets = _env_secrets()
-        rows = [prepare_message(m, secrets) for m in typed]
+        sink = MediaSink()
+        rows = [prepare_message(m, secrets, sink) for m in typed]
         self._flush_pending()
-        return self._tx(lambda con: self._write_messages(con, run_id, rows, replace))
+        return self._tx(lambda con: self._write_messages(con, run_id, rows, replace, sink))
 
     def _write_messages(self, con: duckdb.DuckDBPyConnection, run_id: str, rows: list[tuple[str, str]],
-                        replace: bool) -> int:
+                        replace: bool, sink: MediaSink | None = None) -> int:
         self._require_running(con, run_id)
+        if sink is not None and sink.blobs:
+            write_media(con, sink, [(run_id, h) for h in sink.blobs], utcnow())
         if replace:
             con.execute("DELETE FROM messages WHERE run_id = ?", [run_id])
         start = _next_idx(con, "messages", run_id)
@@ -377,9 +382,10 @@ class RunStore:
         """Record one model call token-exactly; adds its usage and cost to the run. Returns its index."""
         if not isinstance(turn, Turn):
             raise TypeError(f"log_turn takes a closedloop.messages.Turn, got {type(turn).__name__}")
-        prepared = prepare_turn(turn, _env_secrets())
+        sink = MediaSink()
+        prepared = prepare_turn(turn, _env_secrets(), media=sink)
         self._flush_pending()
-        return self._tx(lambda con: self._write_turn(con, run_id, prepared))
+        return self._tx(lambda con: self._write_turn(con, run_id, prepared, sink))
 
     def _price(self, turn: PreparedTurn, model_spec: str | None,
                price_fn: Callable[[str, int, int], float | None] | None = None) -> float | None:
@@ -387,8 +393,11 @@ class RunStore:
             return turn.cost_usd
         return (price_fn or self.price_fn)(turn.model or model_spec or "", turn.prompt_tokens, turn.completion_tokens)
 
-    def _write_turn(self, con: duckdb.DuckDBPyConnection, run_id: str, prepared: PreparedTurn) -> int:
+    def _write_turn(self, con: duckdb.DuckDBPyConnection, run_id: str, prepared: PreparedTurn,
+                    sink: MediaSink | None = None) -> int:
         model_spec = self._require_running(con, run_id)
+        if sink is not None and sink.blobs:
+            write_media(con, sink, [(run_id, h) for h in sink.blobs], utcnow())
         cost = self._price(prepared, model_spec)
         idx = _next_idx(con, "turns", run_id)
         now = utcnow()
@@ -469,8 +478,13 @@ class RunStore:
     def _write_steps(self, steps: list["_Step"]) -> None:
         """One transaction for a batch of queued steps, possibly of several runs."""
         secrets = _env_secrets()
-        prepared = [(s, *prepare_episode(s.messages, s.turns, secrets),
-                     [(_prepare_call(c, r, secrets), i) for c, r, i in s.tool_calls]) for s in steps]
+        sink = MediaSink()
+        prepared, media_refs = [], []
+        for s in steps:
+            prepared.append((s, *prepare_episode(s.messages, s.turns, secrets, sink),
+                             [(_prepare_call(c, r, secrets), i) for c, r, i in s.tool_calls]))
+            if sink.pending:
+                media_refs += [(s.run_id, h) for h in sink.take()]
         failed: dict[str, BaseException] = {}
 
         def write(con: duckdb.DuckDBPyConnection) -> None:
@@ -509,6 +523,8 @@ class RunStore:
                                             c.result, c.error, c.error_kind, c.latency_s, now))
                 for step_no, name, value in step.metrics:
                     rows.add("metrics", (rid, step_no, name, value, now))
+            if media_refs:  # media of live runs only (a dropped step's bytes are not kept)
+                write_media(con, sink, [(r, h) for r, h in media_refs if r in nxt["turns"]], now)
             rows.insert(con)
             if totals:
                 con.execute("UPDATE runs SET prompt_tokens = runs.prompt_tokens + d.p, "
@@ -634,6 +650,7 @@ class RunStore:
         proc = process_start(pid)
         version = closedloop.__version__
         rows, now, pricer = Rows(), utcnow(), Pricer(self.price_fn)
+        sink, media_refs = MediaSink(), []
         for spec in specs:
             traj = spec.trajectory
             run_id = traj.id
@@ -641,7 +658,9 @@ class RunStore:
             out = _redacted_json({"rewards": traj.rewards,
                                   **({"step_rewards": traj.step_rewards} if traj.step_rewards else {}),
                                   **(_jsonable(spec.outcome) or {})}, secrets, keys=False, key_values=False)
-            messages, turns = prepare_episode(traj.messages, traj.turns, secrets)
+            messages, turns = prepare_episode(traj.messages, traj.turns, secrets, sink)
+            if sink.pending:
+                media_refs += [(run_id, h) for h in sink.take()]
             rows.extend("messages", [(run_id, i, role, js) for i, (role, js) in enumerate(messages)])
             p_tok = c_tok = 0
             cost: float | None = None
@@ -665,6 +684,8 @@ class RunStore:
             if taken:
                 raise RunStateError(f"a run with id {taken[0][0]!r} already exists"
                                     + (f" (and {len(taken) - 1} more)" if len(taken) > 1 else ""))
+            if media_refs:
+                write_media(con, sink, media_refs, now)
             rows.insert(con)
             return ids
 
@@ -698,8 +719,13 @@ class RunStore:
 
     # ------------------------------------------------------------------ reading
 
-    def get_run(self, run_id: str) -> RunRecord:
-        """The run with its messages, turns and tool calls; accepts a unique id prefix."""
+    def get_run(self, run_id: str, *, media: MediaMode = "inline") -> RunRecord:
+        """The run with its messages, turns and tool calls; accepts a unique id prefix.
+
+        ``media="inline"`` (default) gives image/audio parts back exactly as recorded;
+        ``"refs"`` leaves them as ``closedloop-media:sha256:...`` references without reading the
+        bytes (see :meth:`media_bytes`)."""
+        _check_media_mode(media)
         self._flush_pending()
 
         def read(con: duckdb.DuckDBPyConnection) -> RunRecord:
@@ -708,10 +734,11 @@ class RunStore:
             summary = _summaries(con, "WHERE id = ?", [full])[0]
             raw = [r[0] for r in con.execute("SELECT json FROM messages WHERE run_id = ? ORDER BY idx",
                                              [full]).fetchall()]
-            msgs = _messages_from_json(raw)
+            turn_rows = con.execute(f"SELECT {_TURN_READ} FROM turns WHERE run_id = ? ORDER BY idx", [full]).fetchall()
+            restore = _restorer(con, raw, turn_rows, 1) if media == "inline" else None
+            msgs = _messages_from_json([restore(js) for js in raw] if restore is not None else raw)
             by_json = dict(zip(raw, msgs))
-            turns = [_turn_from_row(r, by_json) for r in con.execute(
-                f"SELECT {_TURN_READ} FROM turns WHERE run_id = ? ORDER BY idx", [full]).fetchall()]
+            turns = [_turn_from_row(r, by_json, restore) for r in turn_rows]
             cur = con.execute("SELECT idx, turn_idx, call_id, name, arguments, result, error, error_kind, latency_s "
                               "FROM tool_calls WHERE run_id = ? ORDER BY idx", [full])
             cols = [d[0] for d in cur.description]
@@ -720,15 +747,24 @@ class RunStore:
 
         return self._tx(read)
 
-    def load_trajectory(self, run_id: str) -> Trajectory:
-        """The run as a trainer sees it (see :meth:`RunRecord.to_trajectory`)."""
-        return self.get_run(run_id).to_trajectory()
+    def load_trajectory(self, run_id: str, *, media: MediaMode = "inline") -> Trajectory:
+        """The run as a trainer sees it (see :meth:`RunRecord.to_trajectory`); ``media`` as in :meth:`get_run`."""
+        return self.get_run(run_id, media=media).to_trajectory()
+
+    def media_bytes(self, sha256: str) -> bytes:
+        """The bytes of one stored image/audio (by the hash a reference or ``MediaRef`` names)."""
+        digest = sha256.removeprefix("sha256:")
+        self._flush_pending()
+        found = self._tx(lambda con: fetch_media(con, [digest]))
+        if digest not in found:
+            raise KeyError(f"no media sha256:{digest} in {self.path}")
+        return found[digest]
 
     def iter_trajectories(self, *, kind: str | None = None, graph: str | None = None, tag: str | None = None,
                           metadata: Mapping[str, Any] | None = None, status: str | None = None,
                           min_reward: float | None = None, parent_id: str | None = None,
                           model_spec: str | None = None, limit: int | None = None,
-                          batch_size: int = 256) -> Iterator[Trajectory]:
+                          batch_size: int = 256, media: MediaMode = "inline") -> Iterator[Trajectory]:
         """Trajectories of every matching run, oldest first, read in batches.
 
         One query selects the runs (filters on the run row; ``metadata`` keeps runs whose metadata
@@ -738,7 +774,9 @@ class RunStore:
         released before the batch is decoded and yielded, so a slow consumer never holds the file. Each trajectory equals ``load_trajectory(id)``: rewards
         and step rewards from the run's outcome, ``metadata`` with ``run_id``, ``kind``, ``graph``,
         ``parent_id``, ... and ``task_id`` (see :func:`closedloop.store.records.trajectory_metadata`).
+        ``media``: as in :meth:`get_run` (``"refs"`` reads no media bytes: large exports).
         """
+        _check_media_mode(media)
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         if limit is not None and limit < 0:
@@ -782,17 +820,23 @@ class RunStore:
             return selected
 
         def read(con: duckdb.DuckDBPyConnection, ids: list[str]) -> tuple[dict[str, list[str]],
-                                                                          dict[str, list[tuple[Any, ...]]]]:
+                                                                          dict[str, list[tuple[Any, ...]]],
+                                                                          Restorer | None]:
             msgs: dict[str, list[str]] = {i: [] for i in ids}
             rows: dict[str, list[tuple[Any, ...]]] = {i: [] for i in ids}
+            restore = None
             if ids:
-                for rid, js in con.execute("SELECT run_id, json FROM messages WHERE run_id IN "
-                                           "(SELECT unnest(?::VARCHAR[])) ORDER BY run_id, idx", [ids]).fetchall():
+                raw = con.execute("SELECT run_id, json FROM messages WHERE run_id IN "
+                                  "(SELECT unnest(?::VARCHAR[])) ORDER BY run_id, idx", [ids]).fetchall()
+                for rid, js in raw:
                     msgs[rid].append(js)
-                for row in con.execute(f"SELECT run_id, {_TURN_READ} FROM turns WHERE run_id IN "
-                                       "(SELECT unnest(?::VARCHAR[])) ORDER BY run_id, idx", [ids]).fetchall():
+                turn_rows = con.execute(f"SELECT run_id, {_TURN_READ} FROM turns WHERE run_id IN "
+                                        "(SELECT unnest(?::VARCHAR[])) ORDER BY run_id, idx", [ids]).fetchall()
+                for row in turn_rows:
                     rows[row[0]].append(row[1:])
-            return msgs, rows
+                if media == "inline":  # the bytes are fetched here, restored after the file is released
+                    restore = _restorer(con, (js for _, js in raw), turn_rows, 2)
+            return msgs, rows, restore
 
         def select_and_first(con: duckdb.DuckDBPyConnection) -> tuple[list[Any], tuple[Any, Any]]:
             # The first batch is read on the selecting connection: opening the file costs ~15 ms of
@@ -804,20 +848,22 @@ class RunStore:
         for start in range(0, len(selected), batch_size):
             chunk = selected[start:start + batch_size]
             if start == 0:
-                msgs, rows = first
+                msgs, rows, restore = first
                 first = None
             else:
                 ids = [c[0] for c in chunk]
-                msgs, rows = self._tx(lambda con: read(con, ids))  # decoded after the file is released
+                msgs, rows, restore = self._tx(lambda con: read(con, ids))  # decoded after the file is released
             with gc_paused():
                 out = []
                 for rid, rewards, step_rewards, md in chunk:
-                    messages = _messages_from_json(msgs[rid])
-                    by_json = dict(zip(msgs[rid], messages))
+                    raw = msgs[rid]
+                    messages = _messages_from_json([restore(js) for js in raw] if restore is not None else raw)
+                    by_json = dict(zip(raw, messages))
                     out.append(Trajectory.model_construct(id=rid, messages=messages,
-                                                          turns=[_turn_from_row(r, by_json) for r in rows[rid]],
+                                                          turns=[_turn_from_row(r, by_json, restore)
+                                                                 for r in rows[rid]],
                                                           rewards=rewards, step_rewards=step_rewards, metadata=md))
-            del msgs, rows
+            del msgs, rows, restore
             yield from out
 
     def list_runs(self, limit: int | None = 50, status: str | None = None, graph: str | None = None,
@@ -890,24 +936,45 @@ class RunStore:
             for table in ("messages", "turns", "tool_calls", "metrics"):
                 con.execute(f"DELETE FROM {table} WHERE list_contains(?, run_id)", [ids])
             con.execute("DELETE FROM runs WHERE list_contains(?, id)", [ids])
+            collect_garbage(con, ids)  # media no remaining run references
             return len(ids)
 
         return self._tx(write)
 
-    def export_parquet(self, directory: str | os.PathLike[str]) -> dict[str, Path]:
-        """One Parquet file per table, written by DuckDB from one consistent snapshot."""
+    def export_parquet(self, directory: str | os.PathLike[str], *, media: MediaMode = "inline") -> dict[str, Path]:
+        """One Parquet file per table, written by DuckDB from one consistent snapshot.
+
+        ``media="inline"``: message JSON (``messages.json``, ``turns.message``) holds image/audio
+        parts as recorded (base64), so each file stands alone; ``"refs"``: it keeps the stored
+        references and ``media.parquet`` (sha256, mime, size, data) holds each blob once."""
+        _check_media_mode(media)
         self._flush_pending()
         out = Path(directory).expanduser()
         out.mkdir(parents=True, exist_ok=True)
-        paths = {t: (out / f"{t}.parquet").resolve() for t in TABLES}
+        tables = TABLES + (("media",) if media == "refs" else ())
+        paths = {t: (out / f"{t}.parquet").resolve() for t in tables}
 
         def write(con: duckdb.DuckDBPyConnection) -> dict[str, Path]:
-            for table, path in paths.items():
-                quoted = str(path).replace("'", "''")
-                if table == "turns":  # the array BLOBs go out as the lists they encode
-                    _export_turns(con, path)
-                    continue
-                con.execute(f"COPY (SELECT * FROM {table} ORDER BY ALL) TO '{quoted}' (FORMAT parquet)")
+            # Media rows are immutable, so a second cursor may look them up while a table streams.
+            lookup = con.cursor() if media == "inline" and con.execute(
+                "SELECT count(*) FROM (SELECT 1 FROM run_media LIMIT 1)").fetchone()[0] else None
+            try:
+                for table, path in paths.items():
+                    quoted = str(path).replace("'", "''")
+                    if table == "turns":  # the array BLOBs go out as the lists they encode
+                        _export_turns(con, path, lookup)
+                        continue
+                    if table == "messages" and lookup is not None:
+                        _export_restored(con, "messages", "json", path, lookup)
+                        continue
+                    query = (f"SELECT * FROM {table} ORDER BY ALL" if table != "media" else  # each hash once
+                             "SELECT sha256, any_value(mime) AS mime, any_value(size) AS size, "
+                             "any_value(data) AS data, min(created_at) AS created_at FROM media "
+                             "GROUP BY sha256 ORDER BY sha256")
+                    con.execute(f"COPY ({query}) TO '{quoted}' (FORMAT parquet)")
+            finally:
+                if lookup is not None:
+                    lookup.close()
             return paths
 
         return self._tx(write)
@@ -1047,7 +1114,8 @@ def _flush_at_exit() -> None:
 
 _INSERT_TURN = f"INSERT INTO turns ({', '.join(TURN_COLUMNS)}) VALUES ({', '.join('?' * len(TURN_COLUMNS))})"
 _TURN_READ = ("model, message, prompt_ids, completion_ids, logprobs, loss_mask, completion_text, finish_reason, "
-              "prompt_tokens, completion_tokens, cost_usd, latency_s, logprob_spec, trainable, purpose, unavailable")
+              "prompt_tokens, completion_tokens, cost_usd, latency_s, logprob_spec, trainable, purpose, unavailable, "
+              "media")
 
 
 def _bulk_settings(con: duckdb.DuckDBPyConnection) -> None:
@@ -1154,9 +1222,47 @@ def _resolve(con: duckdb.DuckDBPyConnection, prefix: str) -> str:
     return rows[0][0]
 
 
-def _export_turns(con: duckdb.DuckDBPyConnection, path: Path) -> None:
+def _restored_column(values: Any, lookup: duckdb.DuckDBPyConnection) -> Any:
+    """A string column of message JSON with its media references replaced by the payloads."""
+    import pyarrow as pa
+
+    texts = values.to_pylist()
+    hashes = referenced_hashes(texts)
+    if hashes:
+        restore = Restorer(fetch_media(lookup, hashes))
+        texts = [restore(t) if t is not None else None for t in texts]
+    return pa.array(texts, type=pa.string())
+
+
+def _export_restored(con: duckdb.DuckDBPyConnection, table: str, column: str, path: Path,
+                     lookup: duckdb.DuckDBPyConnection) -> None:
+    """``table`` as Parquet, one record batch at a time, ``column`` with media restored."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    reader = con.sql(f"SELECT * FROM {table} ORDER BY ALL").to_arrow_reader(20_000)
+    writer = None
+    try:
+        for batch in reader:
+            columns = {name: batch.column(name) for name in batch.schema.names}
+            columns[column] = _restored_column(columns[column], lookup)
+            t = pa.table(columns)
+            if writer is None:
+                writer = pq.ParquetWriter(str(path), t.schema)
+            writer.write_table(t)
+        if writer is None:
+            empty = {name: pa.array([], type=f.type) for name, f in zip(reader.schema.names, reader.schema)}
+            empty[column] = pa.array([], type=pa.string())
+            pq.write_table(pa.table(empty), str(path))
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _export_turns(con: duckdb.DuckDBPyConnection, path: Path, lookup: duckdb.DuckDBPyConnection | None = None) -> None:
     """``turns`` as Parquet with ``prompt_ids``/``completion_ids``/``logprobs``/``loss_mask`` as
-    list columns (what a Parquet reader expects), one record batch at a time."""
+    list columns (what a Parquet reader expects), one record batch at a time; with ``lookup``,
+    ``message`` has its media restored."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -1166,6 +1272,8 @@ def _export_turns(con: duckdb.DuckDBPyConnection, path: Path) -> None:
         for batch in reader:
             columns = {name: batch.column(name) for name in batch.schema.names}
             columns.update(turn_arrays_to_lists(columns))
+            if lookup is not None:
+                columns["message"] = _restored_column(columns["message"], lookup)
             table = pa.table(columns)
             if writer is None:
                 writer = pq.ParquetWriter(str(path), table.schema)
@@ -1173,6 +1281,8 @@ def _export_turns(con: duckdb.DuckDBPyConnection, path: Path) -> None:
         if writer is None:  # no turns: an empty file with the list schema
             empty = {name: pa.array([], type=f.type) for name, f in zip(reader.schema.names, reader.schema)}
             empty.update(turn_arrays_to_lists(empty))
+            if lookup is not None:
+                empty["message"] = pa.array([], type=pa.string())
             pq.write_table(pa.table(empty), str(path))
     finally:
         if writer is not None:
@@ -1187,7 +1297,21 @@ def _messages_from_json(rows: list[str]) -> list[Any]:
     return _MESSAGES.validate_json("[" + ",".join(rows) + "]") if rows else []
 
 
-def _turn_from_row(row: tuple[Any, ...], messages: Mapping[str, Any] | None = None) -> Turn:
+def _check_media_mode(media: str) -> None:
+    if media not in ("inline", "refs"):
+        raise ValueError(f"media must be 'inline' (parts as recorded) or 'refs' (references, no bytes), got {media!r}")
+
+
+def _restorer(con: duckdb.DuckDBPyConnection, messages: Iterable[str], turn_rows: list[tuple[Any, ...]],
+              message_column: int) -> Restorer | None:
+    """A restorer holding the bytes these rows reference (one query), or None when they reference none."""
+    hashes = referenced_hashes(messages)
+    hashes |= referenced_hashes(r[message_column] for r in turn_rows)
+    return Restorer(fetch_media(con, hashes)) if hashes else None
+
+
+def _turn_from_row(row: tuple[Any, ...], messages: Mapping[str, Any] | None = None,
+                   restore: Callable[[str], str] | None = None) -> Turn:
     """A stored turn as a :class:`Turn`.
 
     The row was written from a validated ``Turn``, so the turn is constructed without
@@ -1198,12 +1322,12 @@ def _turn_from_row(row: tuple[Any, ...], messages: Mapping[str, Any] | None = No
     instead of a second parse.
     """
     (model, message, prompt_ids, completion_ids, logprobs, loss_mask, completion_text, finish_reason,
-     prompt_tokens, completion_tokens, cost, latency, spec, trainable, purpose, unavailable) = row
+     prompt_tokens, completion_tokens, cost, latency, spec, trainable, purpose, unavailable, media) = row
     prompt_ids, completion_ids, logprobs, loss_mask = decode_turn_arrays(prompt_ids, completion_ids, logprobs,
                                                                          loss_mask)
     parsed = messages.get(message) if messages is not None else None
     if not isinstance(parsed, AssistantMessage):
-        parsed = AssistantMessage.model_validate_json(message)
+        parsed = AssistantMessage.model_validate_json(restore(message) if restore is not None else message)
     return Turn.model_construct(
         message=parsed, model=model or "", prompt_ids=prompt_ids,
         completion_ids=completion_ids, logprobs=logprobs, loss_mask=loss_mask,
@@ -1211,4 +1335,5 @@ def _turn_from_row(row: tuple[Any, ...], messages: Mapping[str, Any] | None = No
         completion_text=completion_text, finish_reason=finish_reason,
         usage=Usage.model_construct(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cost_usd=cost),
         latency_s=latency, trainable=True if trainable is None else bool(trainable),
-        purpose=purpose or "policy", unavailable=_loads(unavailable) or {})
+        purpose=purpose or "policy", unavailable=_loads(unavailable) or {},
+        media=[MediaRef.model_validate(r) for r in _loads(media)] if media else [])
