@@ -8,9 +8,10 @@ first forward pass is the text model's. So this client overrides the two hooks o
 inherits everything else: micro-batching, seeded per-row sampling, tempered logprobs, streaming,
 tool-call parsing, the weights lock.
 
-Each turn records the exact prompt ids (image tokens expanded) and a
-:class:`~closedloop.messages.MediaRef` per image, so the model input can be rebuilt exactly.
-Audio parts are refused with a clear error until an audio-language model is wired the same way.
+Audio-language checkpoints (Qwen2-Audio and the like, loaded with ``AutoModelForMultimodalLM``)
+go the same way: audio parts are decoded with PyAV to 16 kHz and given to the processor's feature
+extractor. Each turn records the exact prompt ids (media tokens expanded) and a
+:class:`~closedloop.messages.MediaRef` per part, so the model input can be rebuilt exactly.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ __all__ = ["HFVisionClient", "is_vision_checkpoint"]
 
 
 def is_vision_checkpoint(path: str | Path) -> bool:
-    """Whether a local checkpoint is an image-text-to-text model with a processor."""
+    """Whether a local checkpoint is a multimodal (image- or audio-) language model with a processor."""
     path = Path(path)
     if not (path / "config.json").is_file():
         return False
@@ -37,7 +38,7 @@ def is_vision_checkpoint(path: str | Path) -> bool:
     if not has_processor:
         return False
     cfg = json.loads((path / "config.json").read_text())
-    return "vision_config" in cfg
+    return "vision_config" in cfg or "audio_config" in cfg
 
 
 class HFVisionClient(HFClient):
@@ -62,7 +63,13 @@ class HFVisionClient(HFClient):
                 raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32', 'bfloat16' or 'auto'")
             dtype = getattr(torch, dtype)
         processor = AutoProcessor.from_pretrained(str(path))
-        model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype, **model_kwargs).to(device)
+        try:
+            model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype, **model_kwargs)
+        except ValueError:  # an audio-language model (Qwen2-Audio ...): the generic multimodal class
+            from transformers import AutoModelForMultimodalLM
+
+            model = AutoModelForMultimodalLM.from_pretrained(str(path), dtype=dtype, **model_kwargs)
+        model = model.to(device)
         model.eval()
         return cls(model, processor, name=str(path), max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms)
 
@@ -72,14 +79,27 @@ class HFVisionClient(HFClient):
                           tool_choice: ToolChoice | None = None) -> tuple[list[int], dict[str, Any] | None]:
         """Prompt ids (image placeholders expanded) and the processor's other tensors."""
         rendered, images, audio = render_for_processor(messages)
-        if audio:
+        reads_audio = hasattr(self.processor, "feature_extractor")
+        reads_images = hasattr(self.processor, "image_processor")
+        if audio and not reads_audio:
             raise MediaError(f"{self.spec} reads images, not audio parts")
+        if images and not reads_images:
+            raise MediaError(f"{self.spec} reads audio, not image parts")
         shown = select_tools(tools, tool_choice)
         text = self.processor.apply_chat_template(rendered, tools=shown, tokenize=False, add_generation_prompt=True)
-        if not images:
+        if not images and not audio:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             return list(ids), None
-        enc = self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
+        kwargs: dict[str, Any] = {}
+        if images:
+            kwargs["images"] = images
+        if audio:
+            from closedloop.models.asr import SAMPLE_RATE, load_audio
+            from closedloop.models.multimodal import part_bytes
+
+            kwargs["audio"] = [load_audio(part_bytes(a)[0]) for a in audio]
+            kwargs["sampling_rate"] = SAMPLE_RATE
+        enc = self.processor(text=[text], return_tensors="pt", add_special_tokens=False, **kwargs)
         ids = enc.pop("input_ids")[0].tolist()
         enc.pop("attention_mask", None)
         return ids, dict(enc)

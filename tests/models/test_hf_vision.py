@@ -139,3 +139,68 @@ def test_server_serves_image_parts_to_a_vlm_and_400s_them_for_a_text_model(vlm, 
         client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="text-only model"):
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
+
+
+# ------------------------------------------------------------------ audio-language checkpoints
+
+
+def wav(freq: float, seconds: float = 1.0) -> bytes:
+    import wave
+
+    t = np.arange(int(16_000 * seconds)) / 16_000
+    pcm = (0.3 * np.sin(2 * np.pi * freq * t) * 32767).astype("<i2").tobytes()
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16_000)
+        w.writeframes(pcm)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def alm(tiny_model_path, tmp_path_factory):
+    from closedloop.models.tiny_vlm import build_tiny_audio_lm
+
+    return make_client(f"hf:{build_tiny_audio_lm(tmp_path_factory.mktemp('alm') / 'alm', tiny_model_path)}")
+
+
+def test_audio_language_model_hears_its_audio_and_keeps_text_exact(alm, text):
+    from closedloop.messages import AudioPart
+
+    assert isinstance(alm, HFVisionClient)
+    msgs = [UserMessage(content="What is 3 plus 4?")]
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    assert run(alm.generate(msgs, params=greedy)).prompt_ids == run(text.generate(msgs, params=greedy)).prompt_ids
+    heard = [UserMessage(content=[TextPart(text="Listen: "), AudioPart.from_bytes(wav(f), "wav")])
+             for f in (220.0, 880.0)]
+    turn = run(alm.generate([heard[0]], params=greedy))
+    assert [(r.kind, r.sha256) for r in turn.media] == [("audio", hashlib.sha256(wav(220.0)).hexdigest())]
+    (ids_a, ex_a), (ids_b, ex_b) = alm.encode_multimodal([heard[0]]), alm.encode_multimodal([heard[1]])
+    assert ids_a == ids_b
+    with torch.no_grad():
+        la = alm.model(input_ids=torch.tensor([ids_a]), **ex_a).logits[0, -1]
+        lb = alm.model(input_ids=torch.tensor([ids_b]), **ex_b).logits[0, -1]
+    assert not torch.allclose(la, lb)  # the sound reached the model
+    with pytest.raises(MediaError, match="reads audio, not image parts"):
+        run(alm.generate([image_message(png(0))]))
+
+
+def test_server_serves_audio_parts(alm):
+    import base64
+
+    import openai
+
+    from closedloop.server import create_app
+    from closedloop.server.local import serve_app
+
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(440.0)).decode(), "format": "wav"}}
+    with serve_app(create_app(alm, "tiny-alm")) as base_url:
+        out = openai.OpenAI(base_url=base_url, api_key="none").chat.completions.create(
+            model="tiny-alm", messages=[{"role": "user", "content": [{"type": "text", "text": "Listen: "}, part]}],
+            max_tokens=4, temperature=0)
+    from closedloop.messages import AudioPart
+
+    expected = run(alm.generate([UserMessage(content=[TextPart(text="Listen: "), AudioPart.from_bytes(wav(440.0), "wav")])],
+                                params=SamplingParams(temperature=0, max_tokens=4)))
+    assert out.usage.prompt_tokens == len(expected.prompt_ids)
