@@ -116,6 +116,8 @@ class _Pending:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     submitted: float = field(default_factory=time.perf_counter)
+    multi_modal_data: dict[str, Any] | None = None  # vLLM's {"image": [...], "audio": [(array, rate)]}
+    media: list[Any] = field(default_factory=list)
 
 
 class VLLMClient(ModelClient):
@@ -190,18 +192,58 @@ class VLLMClient(ModelClient):
         return Turn(message=message, model=self.name, prompt_ids=prompt, completion_ids=ids, logprobs=logprobs,
                     loss_mask=[0] * len(prompt) + [1] * len(ids), logprob_spec=spec,
                     unavailable={} if logprobs is not None else {"logprobs": "the request set logprobs=False"},
-                    completion_text=text, finish_reason=finish,
+                    completion_text=text, finish_reason=finish, media=list(pending.media),
                     usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(ids)),
                     latency_s=time.perf_counter() - pending.submitted)
 
     # ------------------------------------------------------------------ API
 
+    def _processor(self) -> Any:
+        """The checkpoint's multimodal processor (None for a text model), loaded once."""
+        if not hasattr(self, "_mm_processor"):
+            from closedloop.models.hf_vision import is_vision_checkpoint
+
+            self._mm_processor = None
+            if is_vision_checkpoint(self.name):
+                from transformers import AutoProcessor
+
+                self._mm_processor = AutoProcessor.from_pretrained(self.name)
+        return self._mm_processor
+
+    def encode_multimodal(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+                          tool_choice: ToolChoice | None = None) -> tuple[list[int], dict[str, Any]]:
+        """Prompt ids with one placeholder per media part (vLLM's processor expands them; the turn
+        records the expanded ids vLLM reports) and vLLM's ``multi_modal_data``."""
+        from closedloop.models.asr import SAMPLE_RATE, load_audio
+        from closedloop.models.chat_format import select_tools
+        from closedloop.models.multimodal import part_bytes, render_for_processor, require_text_only
+
+        processor = self._processor()
+        if processor is None:
+            require_text_only(messages, self.spec)
+        rendered, images, audio = render_for_processor(messages)
+        text = processor.apply_chat_template(rendered, tools=select_tools(tools, tool_choice), tokenize=False,
+                                             add_generation_prompt=True)
+        data: dict[str, Any] = {}
+        if images:
+            data["image"] = images
+        if audio:
+            data["audio"] = [(load_audio(part_bytes(a)[0]), SAMPLE_RATE) for a in audio]
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), data
+
     async def generate(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
                        params: SamplingParams | None = None, tool_choice: ToolChoice | None = None) -> Turn:
+        from closedloop.models.multimodal import has_media, media_refs
+
         loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if has_media(messages):
+            prompt, data = await asyncio.to_thread(self.encode_multimodal, messages, tools, tool_choice)
+            self._batcher.put(_Pending(prompt, params or SamplingParams(), loop, fut, multi_modal_data=data,
+                                       media=media_refs(messages)))
+            return await fut
         # Tokenised on a thread: a huge prompt must not stall the event loop (or the engine's worker).
         prompt = await asyncio.to_thread(self.encode_prompt, messages, tools, tool_choice)
-        fut = loop.create_future()
         self._batcher.put(_Pending(prompt, params or SamplingParams(), loop, fut))
         return await fut
 
@@ -266,7 +308,9 @@ class VLLMClient(ModelClient):
     def _run_batch(self, batch: list[_Pending]) -> None:
         self.batch_sizes.append(len(batch))
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": b.prompt_ids} for b in batch],
+            prompts = [{"prompt_token_ids": b.prompt_ids} | ({"multi_modal_data": b.multi_modal_data}
+                                                              if b.multi_modal_data else {}) for b in batch]
+            outputs = self.llm.generate(prompts,
                                         sampling_params=[self._sampling_params(b.params) for b in batch],
                                         use_tqdm=False)
             results: list[Any] = [self._to_turn(b, o) for b, o in zip(batch, outputs)]
