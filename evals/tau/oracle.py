@@ -57,10 +57,20 @@ class ScenarioUser(ModelClient):
         instructions = task.user_scenario.instructions
         self._opening = (instructions.reason_for_call if isinstance(instructions, StructuredUserInstructions)
                          else str(instructions))
+        actions = (task.evaluation_criteria.actions if task.evaluation_criteria else None) or []
+        self._user_actions = [a for a in actions if a.requestor == "user"]  # dual control (telecom)
+        self._next = 0
         self.calls = 0
 
     async def generate(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
                        params: SamplingParams | None = None, tool_choice: ToolChoice | None = None) -> Turn:
+        """The opening; then, once the agent is done, the gold user actions one per message
+        (when user tools are offered); then ``###STOP###``."""
         self.calls += 1
+        if self.calls > 1 and tools and self._next < len(self._user_actions):
+            action = self._user_actions[self._next]
+            self._next += 1
+            call = ToolCall.make(action.name, action.arguments, id=f"user_oracle_{self._next}")
+            return Turn(message=AssistantMessage(tool_calls=[call]), model=self.spec)
         text = self._opening if self.calls == 1 else STOP
         return Turn(message=AssistantMessage(content=text), model=self.spec)

@@ -22,12 +22,13 @@ import time
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
-from typing import Awaitable, Callable, Union
+from typing import Any, Awaitable, Callable, Union
 
 from closedloop.evals.tau.data_model import Task
 from closedloop.evals.tau.environment import Environment
 from closedloop.evals.tau.simulation import SimulationRun, TerminationReason
-from closedloop.messages import AssistantMessage, SystemMessage, Turn, Usage, UserMessage, _Message
+from closedloop.evals.tau.user_messages import TauUserMessage
+from closedloop.messages import AssistantMessage, SystemMessage, ToolMessage, Turn, Usage, UserMessage, _Message
 from closedloop.models.base import ModelClient, ModelError, SamplingParams
 from closedloop.models.chat_format import strip_reasoning
 from closedloop.tool import Tool
@@ -129,6 +130,27 @@ class UserSimulator:
         self.system = SystemMessage(content=_USER_SYSTEM.format(guidelines=filled, instructions=scenario))
         self.history: list[_Message] = []
         self.usage = Usage()
+        self.tools: list[dict[str, Any]] | None = None  # user tool schemas (dual-control domains)
+
+    async def act(self, agent_text: str | None) -> AssistantMessage:
+        """The user's next message (its own view: an assistant message), text or, with user
+        tools, tool calls on the user's side. ``agent_text`` is None after tool results."""
+        if agent_text is not None:
+            self.history.append(UserMessage(content=agent_text))
+        turn = await self.client.generate([self.system, *self.history], tools=self.tools or None, params=self.params)
+        self.usage = self.usage + turn.usage
+        msg = turn.message if isinstance(turn.message, AssistantMessage) else AssistantMessage(content=turn.message.text)
+        if self.tools and msg.tool_calls:
+            self.history.append(AssistantMessage(content=msg.content, tool_calls=msg.tool_calls))
+            return msg
+        text = strip_reasoning(msg.text)
+        if not text:
+            raise ModelError("user simulator returned an empty message")
+        self.history.append(AssistantMessage(content=text))
+        return AssistantMessage(content=text)
+
+    def add_tool_results(self, results: list[ToolMessage]) -> None:
+        self.history.extend(results)
 
     async def respond(self, agent_text: str) -> str:
         self.history.append(UserMessage(content=agent_text))
@@ -193,6 +215,7 @@ class Orchestrator:
         if task.initial_state is not None and task.initial_state.message_history:
             raise ValueError(f"task {task.id}: a pre-filled message_history is not supported yet")
         self.task, self.env, self.user = task, environment, user
+        self._user_call_ids: set[str] = set()
         self.domain = domain or environment.domain.name
         self.system = SystemMessage(content=system_prompt if system_prompt is not None
                                     else agent_system_prompt(environment.policy))
@@ -220,14 +243,28 @@ class Orchestrator:
         return self.env.tool_list
 
     def agent_messages(self) -> list[_Message]:
-        """What the agent sees: its system prompt, then every message so far."""
-        return [self.system, *self.trajectory]
+        """What the agent sees: its system prompt, then every message so far, except the user's
+        own tool calls and their results (tau2: hidden from the agent)."""
+        if not self._user_call_ids:
+            return [self.system, *self.trajectory]
+        seen: list[_Message] = [self.system]
+        for m in self.trajectory:
+            if isinstance(m, ToolMessage) and m.tool_call_id in self._user_call_ids:
+                continue
+            if isinstance(m, TauUserMessage):
+                if m.content:
+                    seen.append(UserMessage(content=m.content))
+                continue
+            seen.append(m)
+        return seen
 
     # ------------------------------------------------------------------ driving
 
     async def start(self) -> None:
         self._start_perf, self._start_time = time.perf_counter(), _now()
         self.env.apply_initial_state(self.task.initial_state)
+        if self.env.user_tools is not None and len(self.env.user_tools):
+            self.user.tools = [t.schema for t in self.env.user_tools]
         greeting = AssistantMessage(content=GREETING)
         self.trajectory.append(greeting)
         self._pending, self._to = greeting, _Role.USER
@@ -298,13 +335,33 @@ class Orchestrator:
 
     async def _user_turn(self) -> None:
         assert self._pending is not None
-        visible = strip_reasoning(self._pending.text)
-        try:
-            reply = await self.user.respond(visible)
-        except Exception as e:  # the simulator is infrastructure: its failures are not the agent's
-            self._finish(TerminationReason.INFRASTRUCTURE_ERROR, f"user simulator: {type(e).__name__}: {e}")
-            return
-        self.steps += 1
+        visible: str | None = strip_reasoning(self._pending.text)
+        while True:
+            try:
+                msg = await self.user.act(visible)
+            except Exception as e:  # the simulator is infrastructure: its failures are not the agent's
+                self._finish(TerminationReason.INFRASTRUCTURE_ERROR, f"user simulator: {type(e).__name__}: {e}")
+                return
+            visible = None
+            self.steps += 1
+            if not msg.tool_calls:
+                break
+            # dual control: the user's own tool calls run on the user's side, unseen by the agent
+            self.trajectory.append(TauUserMessage(content=msg.content, tool_calls=msg.tool_calls))
+            results = []
+            for call in msg.tool_calls:
+                self._user_call_ids.add(call.id)
+                result = self.env.run_tool_call(call, "user")
+                if result.error:
+                    self.num_errors += 1
+                self.trajectory.append(result)
+                results.append(result)
+            self.user.add_tool_results(results)
+            self.steps += 1
+            self._check_limits()
+            if self.done:
+                return
+        reply = msg.text
         self.trajectory.append(UserMessage(content=reply))
         token = next((t for t in USER_STOP_TOKENS if t in reply), None)
         if token is not None:

@@ -15,7 +15,8 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, Field
 
 from closedloop.evals.tau.data_model import Action, EnvAssertion, RewardType
-from closedloop.messages import Message, Turn, Usage
+from closedloop.evals.tau.user_messages import TauMessage
+from closedloop.messages import Turn, Usage
 
 __all__ = ["TerminationReason", "GRADED_TERMINATIONS", "DBCheck", "EnvAssertionCheck", "ActionCheck",
            "CommunicateCheck", "NLAssertionCheck", "ComponentStatus", "RewardInfo", "SimulationRun"]
@@ -147,7 +148,7 @@ class SimulationRun(BaseModel):
     user_cost: Optional[float] = None
     agent_usage: Usage = Field(default_factory=Usage)
     user_usage: Usage = Field(default_factory=Usage)
-    messages: list[Message] = Field(default_factory=list)
+    messages: list[TauMessage] = Field(default_factory=list)  # user messages may carry tool calls (telecom)
     agent_turns: list[Turn] = Field(default_factory=list)  # token-exact records when the agent returned Turns
     task_file_sha256: Optional[str] = None
     reward_info: Optional[RewardInfo] = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Iterator, Union
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from closedloop.messages import AssistantMessage, SystemMessage, ToolCall, ToolMessage, UserMessage, _Message
 
@@ -22,7 +22,15 @@ class TauUserMessage(UserMessage):
     tool_calls: list[ToolCall] | None = None
 
 
-TauMessage = Annotated[Union[SystemMessage, TauUserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
+def _as_tau_user(value: Any) -> Any:
+    """A plain core ``UserMessage`` is accepted where a :data:`TauMessage` is expected."""
+    if isinstance(value, UserMessage) and not isinstance(value, TauUserMessage):
+        return TauUserMessage(content=value.content, name=value.name)
+    return value
+
+
+TauMessage = Annotated[Union[SystemMessage, TauUserMessage, AssistantMessage, ToolMessage],
+                       Field(discriminator="role"), BeforeValidator(_as_tau_user)]
 
 
 def tool_calls_of(messages: list[_Message]) -> Iterator[tuple[ToolCall, str]]:

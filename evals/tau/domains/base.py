@@ -66,7 +66,7 @@ class TauDB(BaseModel):
         compact separators) when orjson is installed; the hex value then differs from tau2's
         string, never the verdict. :meth:`tau2_hash` gives tau2's exact value."""
         if _orjson is not None:
-            return hashlib.sha256(_orjson.dumps(self.model_dump(), option=_orjson.OPT_SORT_KEYS)).hexdigest()
+            return hashlib.sha256(_orjson.dumps(self.model_dump(), option=_orjson.OPT_SORT_KEYS | _orjson.OPT_NON_STR_KEYS)).hexdigest()
         return self.tau2_hash()
 
     def tau2_hash(self) -> str:
