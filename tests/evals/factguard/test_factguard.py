@@ -270,3 +270,33 @@ def test_cli_runs_the_synthetic_benchmark(tmp_path, tiny_vlm_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["metrics"]["n"] == 2 and "accuracy" in proc.stdout
+
+
+def test_training_configs_close_the_loop(data, tmp_path, tiny_model_path):
+    """Teacher episodes recorded by the evaluation are the SFT data the shipped config selects; the
+    GRPO config then trains on the factguard environment (one step each here)."""
+    from pathlib import Path
+
+    from closedloop.evals.factguard.evaluate import evaluate_factguard
+    from closedloop.store import RunStore
+    from closedloop.trainers.config import SFTConfig, load_config
+    from closedloop.trainers.grpo import GRPOConfig, train_grpo
+    from closedloop.trainers.sft import train_sft
+
+    configs = Path(__file__).resolve().parents[3] / "trainers" / "configs"
+    store_path = tmp_path / "runs.duckdb"
+    store = RunStore(store_path)
+    evaluate_factguard(load_samples(data), ScriptedClient(reader), LocalCorpus(data / "corpus.duckdb"), store=store)
+    store.close()
+    sft_cfg = load_config(SFTConfig, configs / "factguard_sft.yaml",
+                          [f"model={tiny_model_path}", f"output_dir={tmp_path / 'sft'}", f"store={store_path}",
+                           "max_steps=1", "per_device_batch_size=2", "logging_steps=1", "save_steps=null"])
+    sft = train_sft(sft_cfg)
+    assert sft.history and (Path(sft.output_dir) / "config.json").exists()
+    grpo_cfg = load_config(GRPOConfig, configs / "factguard_grpo.yaml",
+                           [f"model={sft.output_dir}", f"output_dir={tmp_path / 'grpo'}", f"store={store_path}",
+                            "max_steps=1", "num_generations=2", "prompts_per_step=2", "logging_steps=1",
+                            "save_steps=null"])
+    grpo_cfg = grpo_cfg.model_copy(update={"env_options": {**grpo_cfg.env_options, "data_dir": str(data)}})
+    grpo = train_grpo(grpo_cfg)
+    assert grpo.history and {"rewards/acc", "rewards/risk"} <= set(grpo.history[0])
