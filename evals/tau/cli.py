@@ -36,7 +36,10 @@ def register(bench: argparse._SubParsersAction) -> None:
     t.add_argument("--split", default="base", help="task split from split_tasks.json ('base' = all tasks)")
     t.add_argument("--data-dir", help="τ data root holding tau2/domains/<domain>/ (default: $TAU2_DATA_DIR)")
     t.add_argument("--task-ids", nargs="+", metavar="ID", help="run only these tasks of the split")
-    t.add_argument("--agent", required=True, help="a registered graph (see `closedloop graphs`) or 'oracle'")
+    t.add_argument("command", nargs="?", choices=["run", "import"], default="run",
+                   help="run (the default) an evaluation, or import a tau2 results.json for pass^k")
+    t.add_argument("results", nargs="?", metavar="RESULTS_JSON", help="import: a results.json written by tau2 (or us)")
+    t.add_argument("--agent", help="a registered graph (see `closedloop graphs`) or 'oracle' (required to run)")
     t.add_argument("--model", help="the agent's model spec (not needed for --agent oracle)")
     t.add_argument("--user-model", help=f"the user simulator's model spec, or '{SCENARIO_USER}' for the model-free "
                                         f"scripted user (the default for --agent oracle)")
@@ -65,10 +68,43 @@ def handle(args: argparse.Namespace) -> int:
     from closedloop.plugins import PluginNotFound
 
     try:
+        if args.command == "import":
+            return _import(args)
+        if not args.agent:
+            raise ValueError("the following arguments are required: --agent")
         return asyncio.run(_tau(args))
     except (TauDataError, EvalConfigError, PluginNotFound, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _import(args: argparse.Namespace) -> int:
+    """``closedloop eval tau import results.json``: tau2's own results, pass^k and counts."""
+    from closedloop.evals.tau.metrics import compute_metrics
+    from closedloop.evals.tau.results import load_tau2_results
+
+    if not args.results:
+        raise ValueError("import needs the path of a results.json")
+    if not Path(args.results).exists():
+        raise ValueError(f"{args.results} does not exist")
+    sims, tasks, info = load_tau2_results(args.results)
+    metrics = compute_metrics(sims)
+    env = info.get("environment_info") or {}
+    table = Table(title=f"τ results {escape(str(args.results))} ({escape(str(env.get('domain_name', '?')))}, "
+                        f"{len(tasks)} tasks, {len(sims)} simulations)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("avg reward", "-" if metrics.avg_reward is None else f"{metrics.avg_reward:.3f}")
+    for k, v in metrics.pass_hat_k.items():
+        table.add_row(f"pass^{k}", f"{v:.3f}  ({metrics.num_tasks[k]} tasks)")
+    reasons: dict[str, int] = {}
+    for s in sims:
+        reasons[s.termination_reason.value] = reasons.get(s.termination_reason.value, 0) + 1
+    table.add_row("terminations", ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())))
+    table.add_row("ungraded (reward_info null)", str(len(metrics.ungraded)))
+    table.add_row("infra errors", str(len(metrics.infrastructure_errors)))
+    Console().print(table)
+    return 0
 
 
 def _git_commit() -> str:

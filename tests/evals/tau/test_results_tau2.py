@@ -125,3 +125,12 @@ def test_real_tau2_loads_the_export(export: Path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     n, _ = out.stdout.strip().split(" ", 1)
     assert int(n) == 8
+
+
+def test_cli_import_prints_pass_k(export: Path, capsys) -> None:
+    from closedloop.cli import main
+
+    assert main(["eval", "tau", "import", str(export)]) == 0
+    out = capsys.readouterr().out
+    assert "pass^1" in out and "pass^2" in out and "ungraded" in out
+    assert main(["eval", "tau", "import", str(export.parent / "missing.json")]) == 2
