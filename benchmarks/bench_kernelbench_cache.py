@@ -27,6 +27,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from closedloop.evals.kernelbench.evaluate import KernelEvalConfig, KernelEvaluator  # noqa: E402
 from closedloop.evals.kernelbench.problems import load_problems  # noqa: E402
+from closedloop.sandbox import run_sandboxed  # noqa: E402
 
 PROBLEM = '''import torch
 import torch.nn as nn
@@ -129,6 +130,13 @@ def main() -> int:
         sb = [r.sandbox.get("wall_s", 0.0) for r in warm]
         print(f"  warm sandbox wall per problem (spawn + torch import + checks + timing): "
               f"min {min(sb):.2f} s, max {max(sb):.2f} s")
+        floor = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            run_sandboxed("torch:get_num_threads")
+            floor.append(time.perf_counter() - t0)
+        print(f"  floor (a sandbox that only imports torch): {min(floor):.2f} s; warm evaluation above it: "
+              f"{warm_s / args.problems - min(floor):.2f} s/problem")
 
         codes = [KERNEL.format(floor=f"{-0.001 * (k + 1):.4f}", tag=f"k{k}") for k in range(args.kernels)]
         items = [(problems[0], c, k) for k, c in enumerate(codes)]

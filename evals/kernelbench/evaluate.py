@@ -298,6 +298,7 @@ class KernelEvaluator:
         res, scaled = self._base(problem, code, sample_id)
         if not self._precheck(res, code):
             return res
+        built = None
         if not self._known_built(code):  # build first, in parallel with other builds, off the device slot
             built = await self.acompile(problem, code, sample_id)
             if built.status != "compiled":
@@ -305,6 +306,9 @@ class KernelEvaluator:
         async with self.slots.hold(self.device_slot):
             sb, _ = await self._phase(scaled, code, "profile" if profile else "eval")
         self._fold(res, sb, "eval")
+        if built is not None:  # this call built it: report the builds as they happened, not as cache hits
+            res.builds = built.builds
+            res.sandbox["compile_wall_s"] = built.sandbox.get("wall_s")
         if self.config.backend != "cpu":
             res.timed = False
             res.not_timed_reason = "not timed: no GPU (correctness only)" if self.config.backend == "triton" else None
