@@ -88,7 +88,7 @@ def disconnect_cost(model: str, max_tokens: int) -> dict:
         idle = time.perf_counter() - t0
         with httpx.stream("POST", f"{url}/chat/completions", timeout=600, json={
                 "model": "tiny", "messages": [{"role": "user", "content": "Tell me a story"}], "stream": True,
-                "max_tokens": max_tokens, "temperature": 1.0}) as r:
+                "max_tokens": max_tokens, "temperature": 0}) as r:  # greedy: plain text first, streamed at once
             for line in r.iter_lines():
                 if '"content": "' in line and '"content": ""' not in line:
                     break

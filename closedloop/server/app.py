@@ -611,6 +611,21 @@ class _Server:
                 t.cancel()
 
 
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body generator. Starlette cancels the response
+    when the client disconnects; if that lands while it awaits ``send`` (not inside our generator),
+    the generator would stay suspended, its ``finally`` (which cancels the generation) unrun until
+    garbage collection. Closing it here makes a disconnect cancel the generation every time."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body has been read, so this only waits for that)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -683,8 +698,8 @@ def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int 
     async def answer(request: Request):
         req, messages = await server.parse(request)
         if req.stream:
-            return StreamingResponse(server.stream(req, messages), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _ClosingStreamingResponse(server.stream(req, messages), media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache"})
         # A client that goes away stops its generation (the stream above is cancelled by Starlette).
         work = asyncio.ensure_future(server.complete(req, messages))
         gone = asyncio.ensure_future(_disconnected(request))
