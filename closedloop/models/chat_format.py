@@ -279,17 +279,23 @@ def encode_prompt(tokenizer: Any, messages: list, tools: list[dict[str, Any]] | 
     at each occurrence, the markup around is tokenised normally and each occurrence as plain text
     (what mistral-common and tiktoken's ``disallowed_special`` do by construction).
     """
-    rendered = render_messages(messages)
-    shown = select_tools(tools, tool_choice)
+    return encode_rendered(tokenizer, render_messages(messages), select_tools(tools, tool_choice))
+
+
+def encode_rendered(tokenizer: Any, rendered: list[dict[str, Any]], shown: list[dict[str, Any]] | None = None, *,
+                    chat_template: str | None = None) -> list[int]:
+    """:func:`encode_prompt` for messages already rendered as template dicts (a multimodal prompt's
+    parts included), with an optional chat template other than the tokenizer's (a processor's)."""
+    kw = {"chat_template": chat_template} if chat_template else {}
     escaper = _Escaper(control_strings(tokenizer))
     rendered = escaper.value(rendered)
     shown = escaper.value(shown) if shown is not None else None
     if not escaper.found:
-        ids = tokenizer.apply_chat_template(rendered, tools=shown, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(rendered, tools=shown, add_generation_prompt=True, tokenize=True, **kw)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return [int(i) for i in ids]
-    text = tokenizer.apply_chat_template(rendered, tools=shown, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(rendered, tools=shown, add_generation_prompt=True, tokenize=False, **kw)
     forbidden = control_ids(tokenizer)
     out: list[int] = []
     for is_content, piece in escaper.split(text):

@@ -22,7 +22,7 @@ from typing import Any
 
 from closedloop.messages import MediaRef, _Message
 from closedloop.models.base import ModelError, ToolChoice
-from closedloop.models.chat_format import select_tools
+from closedloop.models.chat_format import encode_rendered, select_tools
 from closedloop.models.hf import HFClient, _Request, _Row
 from closedloop.models.multimodal import MediaError, media_refs, render_for_processor
 
@@ -86,10 +86,13 @@ class HFVisionClient(HFClient):
         if images and not reads_images:
             raise MediaError(f"{self.spec} reads audio, not image parts")
         shown = select_tools(tools, tool_choice)
-        text = self.processor.apply_chat_template(rendered, tools=shown, tokenize=False, add_generation_prompt=True)
+        template = getattr(self.processor, "chat_template", None)
+        # Content is text, never control tokens (issue 9): the prompt ids come from the escaping
+        # encoder, with one placeholder per media part, which the processor's expansion replaces.
+        safe = encode_rendered(self.tokenizer, rendered, shown, chat_template=template)
         if not images and not audio:
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            return list(ids), None
+            return safe, None
+        text = self.processor.apply_chat_template(rendered, tools=shown, tokenize=False, add_generation_prompt=True)
         kwargs: dict[str, Any] = {}
         if images:
             kwargs["images"] = images
@@ -100,9 +103,45 @@ class HFVisionClient(HFClient):
             kwargs["audio"] = [load_audio(part_bytes(a)[0]) for a in audio]
             kwargs["sampling_rate"] = SAMPLE_RATE
         enc = self.processor(text=[text], return_tensors="pt", add_special_tokens=False, **kwargs)
-        ids = enc.pop("input_ids")[0].tolist()
+        expanded = enc.pop("input_ids")[0].tolist()
         enc.pop("attention_mask", None)
-        return ids, dict(enc)
+        return self._splice_media(safe, expanded), dict(enc)
+
+    def _media_token_ids(self) -> set[int]:
+        ids = set()
+        for attr in ("image_token", "audio_token", "video_token"):
+            tok = getattr(self.processor, attr, None)
+            if isinstance(tok, str):
+                i = self.tokenizer.convert_tokens_to_ids(tok)
+                if isinstance(i, int) and i != self.tokenizer.unk_token_id:
+                    ids.add(i)
+        return ids
+
+    def _splice_media(self, safe: list[int], expanded: list[int]) -> list[int]:
+        """``safe`` (escaped content, one placeholder per media part) with each placeholder replaced
+        by the run of media tokens the processor expanded it to in ``expanded``. When the two agree
+        outside media (no control strings in the content) this is exactly ``expanded``; a processor
+        whose expansion is not a run of its placeholder token is refused rather than guessed."""
+        media = self._media_token_ids()
+        runs: list[list[int]] = []
+        for i, t in enumerate(expanded):
+            if t in media:
+                if i > 0 and expanded[i - 1] == t and runs:
+                    runs[-1].append(t)
+                else:
+                    runs.append([t])
+        slots = [i for i, t in enumerate(safe) if t in media]
+        if len(slots) != len(runs) or any(safe[i] != r[0] for i, r in zip(slots, runs)):
+            if safe == [t for i, t in enumerate(expanded) if t not in media or i == 0 or expanded[i - 1] != t]:
+                return expanded
+            raise MediaError(f"{self.spec}: the processor's media expansion is not a run of its placeholder "
+                             f"token, so content with control-token text cannot be escaped safely")
+        out: list[int] = []
+        prev = 0
+        for i, run in zip(slots, runs):
+            out += safe[prev:i] + run
+            prev = i + 1
+        return out + safe[prev:]
 
     def _encode_request(self, req: _Request) -> tuple[list[int], dict[str, Any] | None, list[MediaRef]]:
         ids, extras = self.encode_multimodal(req.messages, req.tools, req.tool_choice)

@@ -215,21 +215,22 @@ class VLLMClient(ModelClient):
         """Prompt ids with one placeholder per media part (vLLM's processor expands them; the turn
         records the expanded ids vLLM reports) and vLLM's ``multi_modal_data``."""
         from closedloop.models.asr import SAMPLE_RATE, load_audio
-        from closedloop.models.chat_format import select_tools
+        from closedloop.models.chat_format import encode_rendered, select_tools
         from closedloop.models.multimodal import part_bytes, render_for_processor, require_text_only
 
         processor = self._processor()
         if processor is None:
             require_text_only(messages, self.spec)
         rendered, images, audio = render_for_processor(messages)
-        text = processor.apply_chat_template(rendered, tools=select_tools(tools, tool_choice), tokenize=False,
-                                             add_generation_prompt=True)
+        # Content is tokenised as plain text (never control tokens), placeholders by the template.
+        ids = encode_rendered(self.tokenizer, rendered, select_tools(tools, tool_choice),
+                              chat_template=getattr(processor, "chat_template", None))
         data: dict[str, Any] = {}
         if images:
             data["image"] = images
         if audio:
             data["audio"] = [(load_audio(part_bytes(a)[0]), SAMPLE_RATE) for a in audio]
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), data
+        return ids, data
 
     async def generate(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
                        params: SamplingParams | None = None, tool_choice: ToolChoice | None = None) -> Turn:
