@@ -84,6 +84,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from closedloop.messages import AssistantMessage, Turn, _Message, content_text
+from closedloop.models.chat_format import END_MARKERS, THINK_OPEN, TOOL_CALL_OPEN
 from closedloop.models.base import (ContextLengthExceededError, ModelClient, ModelError, ModelUnavailableError, SamplingParams,
                                     TextDelta, TurnDone)
 from closedloop.server.schemas import (ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs,
@@ -95,7 +96,7 @@ log = logging.getLogger("closedloop.server")
 
 # Markup a local model writes that never reaches ``content``; a streamed delta is held back while
 # the text so far could be the start of one of these.
-_MARKERS = ("<tool_call>", "<think>", "<|im_end|>", "<|endoftext|>")
+_MARKERS = (TOOL_CALL_OPEN, THINK_OPEN, *END_MARKERS)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_TOKENS_CAP = 32768
@@ -274,7 +275,7 @@ def _offered_only(client: ModelClient, turn: Turn, offered: set[str], stops: lis
             cut = min((i for i in (text.find(s) for s in stops) if i != -1), default=-1)
             if cut != -1:
                 text = text[:cut]
-        markers = getattr(client, "_end_markers", None) or ("<|im_end|>", "<|endoftext|>")
+        markers = getattr(client, "_end_markers", None) or END_MARKERS
         message = parse_completion(text, end_markers=tuple(markers), tool_names=offered)
     else:  # no raw text (a remote backend): write the unoffered calls back as the Hermes text
         kept = [c for c in calls if c.function.name in offered]
