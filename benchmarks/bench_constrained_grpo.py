@@ -36,11 +36,12 @@ def train(name: str, model: str, out: Path, args: argparse.Namespace, constraint
     from closedloop.trainers.grpo import GRPOConfig, train_grpo
 
     cfg = load_config(GRPOConfig, None, [
-        f"model={model}", f"output_dir={out / name}", "env=calc", f"env_options={{level: {args.level}}}",
+        f"model={model}", f"output_dir={out / name}", "env=calc",
+        f"env_options={{level: {args.level}, turn_cost: {args.turn_cost}, format_weight: {args.format_weight}}}",
         f"max_steps={args.steps}", f"learning_rate={args.lr}", "lr_scheduler=constant",
         f"prompts_per_step={args.prompts}", f"num_generations={args.generations}", "report_to=none",
         "per_device_batch_size=16", "torch_threads=1", f"seed={args.seed}", "train_seed_start=1000000",
-        f"temperature={args.temperature}", "logging_steps=1000"],
+        f"temperature={args.temperature}", "logging_steps=1000", f"scale_rewards={args.scale_rewards}"],
         constraints=constraints, reward_weights=weights, reward_funcs=funcs)
     t = time.perf_counter()
     result = train_grpo(cfg)
@@ -81,7 +82,8 @@ def evaluate(model_dir: str, args: argparse.Namespace) -> dict[str, float]:
     client = HFClient.from_pretrained(model_dir, max_batch_size=64)
     seeds = range(10_000_000, 10_000_000 + args.eval_episodes)
     params = SamplingParams(temperature=args.eval_temperature, max_tokens=64, seed=args.seed)
-    summary, episodes = run_eval(client, lambda: make_env("calc", level=args.level), seeds, name="eval",
+    env = {"level": args.level, "turn_cost": args.turn_cost, "format_weight": args.format_weight}
+    summary, episodes = run_eval(client, lambda: make_env("calc", **env), seeds, name="eval",
                                  params=params)
     c = CostConstraint(cost=args.cost, budget=args.budget)
     costs = [episode_cost(c, e.trajectory, e.info) for e in episodes]
@@ -105,12 +107,18 @@ def main() -> None:
                                                                         "--fixed-penalty)")
     p.add_argument("--fixed-penalty", type=float, default=None, help="also run GRPO with this fixed penalty weight")
     p.add_argument("--level", type=int, default=1)
+    p.add_argument("--turn-cost", type=float, default=0.0, help="calc's per-action cost (its default 0.01 already "
+                   "rewards fewer turns; 0 leaves the budget as the only pressure on turns)")
+    p.add_argument("--format-weight", type=float, default=0.0, help="calc's format reward (default 0 here: the "
+                   "reward is success alone, which needs the tool turn)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--window", type=int, default=10, help="last steps averaged for the training numbers")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--scale-rewards", default="group", choices=["group", "batch", "none"],
+                   help="GRPO advantage scaling; with 'none' the penalty's size (λ) counts, not only its ranking")
     p.add_argument("--eval-episodes", type=int, default=200)
     p.add_argument("--eval-temperature", type=float, default=1.0, help="held-out evaluation sampling temperature "
                    "(default: the training temperature, since the budget bounds the sampling policy's expected "
