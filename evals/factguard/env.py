@@ -184,11 +184,11 @@ class FactGuardEnv(BuiltinEnv):
         claim = (self.sample.claim or "").lower()
         # Only a report about this very claim settles it (a search also returns near misses).
         if claim and f"false: {claim}" in text:
-            label, why = "fake", "A fact check says this claim is false."
+            label, why = "fake", "a fact check says false"
         elif claim and f"confirmed: {claim}" in text:
-            label, why = "real", "A news report confirms this claim."
+            label, why = "real", "a report confirms it"
         else:
-            label, why = "real", "No evidence about this claim contradicts the video."
+            label, why = "real", "no report on this claim"
         return AssistantMessage(content=f"<think>{why}</think><answer>{label}</answer>")
 
     def close(self) -> None:
