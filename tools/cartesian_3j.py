@@ -37,7 +37,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, Field
 
-from closedloop.artifacts import ArrayInput, ArrayRef, ArtifactError, array_output, load_array
+from closedloop.artifacts import ArrayInput, ArtifactError, array_output, load_array
 from closedloop.tool import Tool, tool
 from closedloop.tools.cartesian import (MAX_L, MAX_RANK, cartesian_3j, change_of_basis, check_triangle, decompose,
                                         multiplicities, rank_of_size, raw_coupling, standard_3j, standard_basis,

@@ -36,7 +36,6 @@ real and imaginary parts stacked on the axis before the last.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np

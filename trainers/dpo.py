@@ -30,7 +30,7 @@ from closedloop.trainers.config import TrainConfig
 from closedloop.trainers.preference_data import (PreferenceBatch, PreferenceExample, PreferenceStoreSelection,
                                                  collate_pairs, encode_preference_rows, load_preference_rows,
                                                  parse_preference_store_spec, store_preference_rows)
-from closedloop.trainers.preference_loss import dpo_losses, preference_metrics, sequence_logps
+from closedloop.trainers.preference_loss import dpo_losses, preference_metrics
 
 __all__ = ["CONFIG_CLASS", "PreferenceConfig", "DPOConfig", "PreferenceResult", "train_dpo", "train_preference",
            "run_from_config", "build_pairs", "pair_logps", "policy_margins"]

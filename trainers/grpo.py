@@ -37,7 +37,6 @@ from typing import Any, Callable, Literal
 import torch
 from pydantic import Field
 
-from closedloop.messages import Trajectory
 from closedloop.models.base import SamplingParams
 from closedloop.trainers.config import TrainConfig
 from closedloop.trainers.constrained import ConstraintSet, CostConstraint

@@ -139,4 +139,4 @@ class TrainingSession:
                                                                 "output_dir": str(self.output_dir)})
 
 
-__all__ = ["TrainingSession", "apply_lora", "load_model_and_tokenizer", "make_optimizer", "make_scheduler"]
+__all__ = ["TrainingSession"]

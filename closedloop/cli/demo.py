@@ -8,7 +8,6 @@ runs, so the core CLI never imports trainers at start-up).
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from rich.console import Console

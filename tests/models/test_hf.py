@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from closedloop.messages import AssistantMessage, LogprobSpec, ToolCall, ToolMessage, UserMessage
+from closedloop.messages import LogprobSpec, ToolMessage, UserMessage
 from closedloop.models.base import GenerateRequest, SamplingParams, TextDelta, TurnDone
 from closedloop.models.hf import HFClient
 

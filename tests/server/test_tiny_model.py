@@ -8,10 +8,7 @@ minute or more on CPU.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
 import subprocess
 import sys
 import time

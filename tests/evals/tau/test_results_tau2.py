@@ -16,7 +16,7 @@ import pytest
 
 from closedloop.evals.tau import load_domain
 from closedloop.evals.tau.metrics import compute_metrics
-from closedloop.evals.tau.results import RunInfo, load_tau2_results, write_results
+from closedloop.evals.tau.results import load_tau2_results
 from closedloop.evals.tau.runner import EvalSettings, TauRunner, export_results
 from closedloop.evals.tau.agents import make_agent_factory
 

@@ -4,7 +4,6 @@ DB match through the real orchestrator, evaluator and CLI."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -619,7 +619,7 @@ class TelecomUserTools(ToolKitBase):
     def _reset_apn_settings(self):
         """Resets your APN settings to the default settings. This will be applied at the next reboot."""
         self.device.active_apn_settings.reset_at_reboot = True
-        return f"APN settings will reset at reboot."
+        return "APN settings will reset at reboot."
 
     def break_apn_settings(self) -> str:
         """Breaks the APN settings. This is fixed by calling reset_apn_settings()."""
