@@ -17,8 +17,8 @@ import inspect
 import json
 import os
 import resource
+import signal
 import sys
-import time
 import traceback
 
 # Landlock (Linux >= 5.13): confine writes to the working directories. Reads stay allowed:
@@ -149,8 +149,15 @@ def _usage() -> dict:
 
 
 def main() -> None:
+    if sys.argv[1] == "--zygote":
+        zygote_main(int(sys.argv[2]), json.loads(sys.argv[3]))
+    else:
+        run_request(sys.argv[1])
+
+
+def run_request(request_path: str) -> None:
+    """Apply the limits to this process, run the target, write the JSON result, ``os._exit``."""
     main_pid = os.getpid()
-    request_path = sys.argv[1]
     with open(request_path) as fh:
         req = json.load(fh)
     result_path = req["result_path"]
@@ -188,6 +195,161 @@ def main() -> None:
 
 async def _await(aw):
     return await aw
+
+
+# ---------------------------------------------------------------------------------------------
+# Fork server ("zygote"). Why: a fresh interpreter spends ~2 s importing torch before a
+# KernelBench evaluation can start. The zygote imports the trusted modules once and forks one
+# child per call. Why this keeps the guarantees of the fresh-interpreter path:
+# - the zygote never runs target code: it only imports the named (trusted) modules, then loops
+#   reading requests from its control socket, forking and reaping; every child is single-use
+#   and exits with os._exit, so nothing a target does reaches the zygote or a later call;
+# - the child closes every inherited descriptor (the control socket included) before it
+#   applies any limit or runs the target, so a target cannot ask the zygote for anything;
+# - the child applies the same isolation as the spawn path, in the same order: own session,
+#   the pids cgroup, new user + network + PID namespaces (unshare(2) directly; the PID
+#   namespace's init is a small waiter, as the ``sh`` of the spawn path), the scrubbed
+#   environment, rlimits, Landlock; the parent keeps the wall clock and kills the group.
+# ---------------------------------------------------------------------------------------------
+
+_CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+_PR_SET_PDEATHSIG = 1
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent() -> None:
+    _libc().prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the forking process dies
+
+
+def _enter_namespaces() -> None:
+    """``unshare -rn --pid``: own user namespace (mapped to our uid as root), no network, and a
+    PID namespace whose first child becomes its init."""
+    uid, gid = os.getuid(), os.getgid()
+    libc = _libc()
+    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWPID) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(user, net, pid) failed")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as fh:
+            fh.write(text)
+
+
+def _wait_code(pid: int) -> int:
+    """Wait for ``pid`` (reaping any other child meanwhile, as an init must); shell-style code."""
+    while True:
+        try:
+            got, status = os.wait()
+        except ChildProcessError:
+            return 127
+        if got == pid:
+            if os.WIFSIGNALED(status):
+                return 128 + os.WTERMSIG(status)
+            return os.WEXITSTATUS(status)
+
+
+def _fork_child(msg: dict) -> None:
+    """In the forked child (C1). Never returns."""
+    try:
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        _die_with_parent()
+        fd_in = os.open(os.devnull, os.O_RDONLY)
+        fd_out = os.open(msg["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd_err = os.open(msg["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        for src, dst in ((fd_in, 0), (fd_out, 1), (fd_err, 2)):
+            os.dup2(src, dst)
+        os.closerange(3, 1 << 16)  # the control socket first of all: the target must not reach the zygote
+        if msg.get("cgroup"):
+            with open(os.path.join(msg["cgroup"], "cgroup.procs"), "w") as fh:
+                fh.write(str(os.getpid()))
+        os.environ.clear()
+        os.environ.update(msg["env"])
+        os.chdir(msg["cwd"])
+        import tempfile
+
+        tempfile.tempdir = None  # recomputed from the child's TMPDIR
+        sys.argv = ["sandbox"]
+        if msg.get("use_ns"):
+            _enter_namespaces()
+            init = os.fork()  # PID 1 of the new namespace: a waiter, as sh in the spawn path
+            if init:
+                os._exit(_wait_code(init))
+            _die_with_parent()
+            worker = os.fork()
+            if worker:
+                os._exit(_wait_code(worker))
+            _die_with_parent()
+        run_request(msg["request"])
+    except BaseException as exc:  # noqa: BLE001 - the setup failed: say so on stderr, no result
+        try:
+            os.write(2, f"sandbox fork-server child setup failed: {type(exc).__name__}: {exc}\n".encode())
+        finally:
+            os._exit(125)
+    os._exit(0)
+
+
+def zygote_main(sock_fd: int, config: dict) -> None:
+    """Serve fork requests (one JSON line each) on ``sock_fd`` until it closes."""
+    import select
+    import socket
+
+    sys.path[:] = list(config["sys_path"])
+    for name in config.get("preload", []):
+        importlib.import_module(name)
+    sock = socket.socket(fileno=sock_fd)
+    rd, wr = os.pipe()
+    os.set_blocking(wr, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wr)
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    sock.sendall((json.dumps({"ready": True, "pid": os.getpid(), "threads": threads}) + "\n").encode())
+    running: dict[int, int] = {}
+    buf = b""
+    while True:
+        try:
+            ready, _, _ = select.select([sock, rd], [], [], 1.0)
+        except InterruptedError:
+            ready = []
+        if rd in ready:
+            try:
+                os.read(rd, 4096)
+            except BlockingIOError:
+                pass
+        while running:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            call = running.pop(pid, None)
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            if call is not None:
+                sock.sendall((json.dumps({"id": call, "exit": code}) + "\n").encode())
+        if sock in ready:
+            data = sock.recv(1 << 20)
+            if not data:  # the parent closed the socket (or exited): stop, killing what is left
+                for pid in running:
+                    try:
+                        os.killpg(pid, 9)
+                    except OSError:
+                        pass
+                os._exit(0)
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                msg = json.loads(line)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _fork_child(msg)
+                running[pid] = msg["id"]
+                sock.sendall((json.dumps({"id": msg["id"], "pid": pid}) + "\n").encode())
 
 
 if __name__ == "__main__":

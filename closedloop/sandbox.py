@@ -6,7 +6,7 @@ child may run hostile code, and unpickling its output would hand it the parent.
 
 What the child gets (each item reported in ``SandboxResult.enforced`` when the OS allowed it):
 
-- a fresh interpreter (``subprocess`` spawn, never fork), ``python -I``, in its own session and
+- a fresh interpreter (``subprocess`` spawn), ``python -I``, in its own session and
   process group, with a fresh temporary working directory that is removed afterwards;
 - rlimits: address space, CPU time, open files, file size, and processes (RLIMIT_NPROC inside its
   own user namespace, where the count is the sandbox's own; a ``pids`` cgroup where one is
@@ -21,26 +21,42 @@ What the child gets (each item reported in ``SandboxResult.enforced`` when the O
 
 Targets are named ``"package.module:function"`` and resolved in the child with the caller's
 ``sys.path``; a :class:`closedloop.tool.Tool` target calls its ``.fn``.
+
+Fork-server mode (``preload=[modules]``, used by the KernelBench worker; the default stays the
+fresh interpreter): a zygote started like the child above (``python -I``, scrubbed environment,
+own session, outside any sandbox limits) imports the named trusted modules once and then only
+forks. Each call gets a single-use child that, before anything of the target runs, closes every
+inherited descriptor (so it cannot reach the zygote's control socket), calls ``setsid``, joins
+the pids cgroup, enters new user + network + PID namespaces (``unshare(2)``, a waiter as PID 1),
+takes the scrubbed environment and working directory, then sets the same rlimits and Landlock
+rules as the spawn path. The parent keeps the wall clock and kills the child's group. What it
+does not give: a pristine interpreter state beyond what the preloaded modules set up at import
+(the zygote never runs target code, so nothing of one call reaches another).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import concurrent.futures
 import functools
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, Field
 
-__all__ = ["SandboxLimits", "SandboxResult", "run_sandboxed", "arun_sandboxed", "isolation_available"]
+__all__ = ["SandboxLimits", "SandboxResult", "run_sandboxed", "arun_sandboxed", "isolation_available",
+           "shutdown_fork_servers"]
 
 _CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE, signal.SIGTRAP}
@@ -161,6 +177,20 @@ def _remove_cgroup(path: Path | None) -> None:
             time.sleep(0.02)
 
 
+def _scrubbed_env(work: Path, limits: SandboxLimits) -> dict[str, str]:
+    bin_dir = os.path.dirname(sys.executable)
+    path = os.pathsep.join([bin_dir, os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")])
+    env = {"PATH": path, "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
+           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg"}
+    for var in _THREAD_VARS:
+        env[var] = str(limits.threads)
+    if os.environ.get("VIRTUAL_ENV"):
+        env["VIRTUAL_ENV"] = os.environ["VIRTUAL_ENV"]
+    env.update(limits.env)
+    return env
+
+
 def isolation_available() -> dict[str, bool]:
     """Whether network and PID namespaces can be created here (they are used when they can)."""
     ok = _unshare_works()
@@ -190,6 +220,7 @@ class _Prepared:
         self.result_path, self.enforced_path = self.io / "result.json", self.io / "enforced.json"
         sys_path = limits.python_path if limits.python_path is not None else [
             os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+        self.sys_path = sys_path
         child_limits = limits.model_dump(include={"cpu_s", "memory_mb", "open_files", "file_size_mb",
                                                    "processes", "network"})
         child_limits["_own_user_ns"] = self.use_ns
@@ -213,17 +244,13 @@ class _Prepared:
         self.cmd = cmd
 
     def _env(self) -> dict[str, str]:
-        bin_dir = os.path.dirname(sys.executable)
-        path = os.pathsep.join([bin_dir, os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")])
-        env = {"PATH": path, "HOME": str(self.work), "TMPDIR": str(self.work), "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-               "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg"}
-        for var in _THREAD_VARS:
-            env[var] = str(self.limits.threads)
-        if os.environ.get("VIRTUAL_ENV"):
-            env["VIRTUAL_ENV"] = os.environ["VIRTUAL_ENV"]
-        env.update(self.limits.env)
-        return env
+        return _scrubbed_env(self.work, self.limits)
+
+    def fork_message(self) -> dict[str, Any]:
+        """What the fork server's child needs besides the request file (see ``_sandbox_child``)."""
+        return {"request": str(self.io / "request.json"), "cwd": str(self.work), "env": self.env,
+                "stdout": str(self.stdout_path), "stderr": str(self.stderr_path),
+                "cgroup": str(self.cgroup) if self.cgroup is not None else None, "use_ns": self.use_ns}
 
     def open_outputs(self):
         return open(self.stdout_path, "wb"), open(self.stderr_path, "wb")
@@ -324,17 +351,197 @@ class _Prepared:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+class _ForkCall:
+    def __init__(self) -> None:
+        self.started: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self.exited: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+
+class _ForkServer:
+    """A zygote (``_sandbox_child.py --zygote``) that imported ``preload`` and forks one child per
+    call. It runs trusted code only; see the security notes in ``_sandbox_child``."""
+
+    def __init__(self, preload: tuple[str, ...], sys_path: list[str], limits: SandboxLimits):
+        self.home = Path(tempfile.mkdtemp(prefix="closedloop-zygote-"))
+        ours, theirs = socket.socketpair()
+        config = {"sys_path": sys_path, "preload": list(preload)}
+        self._log = open(self.home / "zygote.log", "wb")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", _CHILD, "--zygote", str(theirs.fileno()), json.dumps(config)],
+                pass_fds=[theirs.fileno()], env=_scrubbed_env(self.home, limits), cwd=self.home,
+                stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log, start_new_session=True)
+        finally:
+            theirs.close()
+        self.sock = ours
+        self._file = ours.makefile("rb")
+        self._lock = threading.Lock()
+        self._calls: dict[int, _ForkCall] = {}
+        self._next = 0
+        self.dead = False
+        line = self._file.readline()  # the zygote says it is ready once the preloads are imported
+        if not line:
+            log = (self.home / "zygote.log").read_text(errors="replace")[-2000:]
+            self.close()
+            raise RuntimeError(f"sandbox fork server failed to start (preload {list(preload)}): {log}")
+        self.info = json.loads(line)
+        threading.Thread(target=self._reader, name="sandbox-fork-server", daemon=True).start()
+
+    def _reader(self) -> None:
+        try:
+            for line in self._file:
+                msg = json.loads(line)
+                call = self._calls.get(msg["id"])
+                if call is None:
+                    continue
+                if "pid" in msg:
+                    call.started.set_result(msg["pid"])
+                elif "exit" in msg:
+                    self._calls.pop(msg["id"], None)
+                    call.exited.set_result(msg["exit"])
+        except (OSError, ValueError):
+            pass
+        self.dead = True
+        for call in list(self._calls.values()):
+            for fut in (call.started, call.exited):
+                if not fut.done():
+                    fut.set_exception(RuntimeError("the sandbox fork server exited"))
+
+    def submit(self, message: dict[str, Any]) -> _ForkCall:
+        call = _ForkCall()
+        with self._lock:
+            if self.dead:
+                raise RuntimeError("the sandbox fork server exited")
+            self._next += 1
+            self._calls[self._next] = call
+            self.sock.sendall((json.dumps({"id": self._next, **message}) + "\n").encode())
+        return call
+
+    def close(self) -> None:
+        self.dead = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # the zygote sees EOF, kills what is left and exits
+        except OSError:
+            pass
+        self.sock.close()
+        self._file.close()  # the socket's descriptor is released once its file object is closed too
+        try:
+            self.proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+        self._log.close()
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+_SERVERS: dict[tuple, _ForkServer] = {}
+_SERVERS_LOCK = threading.Lock()
+
+
+def _fork_server(preload: tuple[str, ...], sys_path: list[str], limits: SandboxLimits) -> _ForkServer:
+    key = (preload, tuple(sys_path), limits.threads, tuple(sorted(limits.env.items())))
+    with _SERVERS_LOCK:
+        server = _SERVERS.get(key)
+        if server is None or server.dead or server.proc.poll() is not None:
+            if server is not None:
+                server.close()
+            server = _SERVERS[key] = _ForkServer(preload, sys_path, limits)
+        return server
+
+
+@atexit.register
+def shutdown_fork_servers() -> None:
+    """Stop every fork server this process started (also run at exit)."""
+    with _SERVERS_LOCK:
+        for server in _SERVERS.values():
+            server.close()
+        _SERVERS.clear()
+
+
+def _kill_forked(prep: "_Prepared", pid: int | None, exited: bool) -> None:
+    if pid is None:
+        return
+    prep.kill_group(pid)
+    if not exited:  # before its setsid the child is not yet a group leader
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _server_died(prep: "_Prepared", wall_s: float) -> SandboxResult:
+    res = prep.finish(None, False, wall_s)
+    res.status, res.error_type = "error", "ForkServerDied"
+    res.error_message = "the sandbox fork server exited during the call (infrastructure error, not the target's)"
+    return res
+
+
+def _run_forked(prep: "_Prepared", preload: tuple[str, ...]) -> SandboxResult:
+    server = _fork_server(preload, prep.sys_path, prep.limits)
+    start = time.perf_counter()
+    call = server.submit(prep.fork_message())
+    pid: int | None = None
+    try:
+        pid = call.started.result(timeout=60)
+        timed_out = False
+        try:
+            code = call.exited.result(timeout=max(0.0, prep.limits.wall_s - (time.perf_counter() - start)))
+        except concurrent.futures.TimeoutError:
+            timed_out = True
+            _kill_forked(prep, pid, False)
+            code = call.exited.result(timeout=60)
+    except RuntimeError:
+        _kill_forked(prep, pid, False)
+        return _server_died(prep, time.perf_counter() - start)
+    except BaseException:
+        _kill_forked(prep, pid, call.exited.done())
+        raise
+    _kill_forked(prep, pid, True)  # whatever the target left behind in its group
+    return prep.finish(code, timed_out, time.perf_counter() - start)
+
+
+async def _arun_forked(prep: "_Prepared", preload: tuple[str, ...]) -> SandboxResult:
+    server = await asyncio.to_thread(_fork_server, preload, prep.sys_path, prep.limits)
+    start = time.perf_counter()
+    call = server.submit(prep.fork_message())
+    pid: int | None = None
+    try:
+        pid = await asyncio.wait_for(asyncio.wrap_future(call.started), timeout=60)
+        exited = asyncio.wrap_future(call.exited)
+        timed_out = False
+        try:
+            code = await asyncio.wait_for(asyncio.shield(exited),
+                                          timeout=max(0.0, prep.limits.wall_s - (time.perf_counter() - start)))
+        except asyncio.TimeoutError:
+            timed_out = True
+            _kill_forked(prep, pid, False)
+            code = await asyncio.wait_for(exited, timeout=60)
+    except RuntimeError:
+        _kill_forked(prep, pid, False)
+        return _server_died(prep, time.perf_counter() - start)
+    except BaseException:  # cancelled: stop the work, then let the cancellation through
+        _kill_forked(prep, pid, call.exited.done())
+        raise
+    _kill_forked(prep, pid, True)
+    return prep.finish(code, timed_out, time.perf_counter() - start)
+
+
 def run_sandboxed(target: str, /, *args: Any, limits: SandboxLimits | None = None,
-                  cwd: str | Path | None = None, **kwargs: Any) -> SandboxResult:
+                  cwd: str | Path | None = None, preload: Sequence[str] | None = None,
+                  **kwargs: Any) -> SandboxResult:
     """Call ``target(*args, **kwargs)`` in a sandboxed child process and wait for it.
 
     Arguments and the return value must be JSON-serialisable (pydantic models are dumped).
+    ``preload`` (module names) runs the call in a child forked from a fork server that imported
+    those trusted modules once (one server per preload, ``sys.path``, threads and extra env),
+    instead of a fresh interpreter: same limits and isolation, without the import cost.
     ``cwd`` gives the child an existing working directory instead of a fresh temporary one
     (it is then writable and kept).
     """
     limits = limits or SandboxLimits()
     prep = _Prepared(target, args, kwargs, limits, cwd)
     try:
+        if preload is not None:
+            return _run_forked(prep, tuple(preload))
         out, err = prep.open_outputs()
         start = time.perf_counter()
         with out, err:
@@ -357,11 +564,14 @@ def run_sandboxed(target: str, /, *args: Any, limits: SandboxLimits | None = Non
 
 
 async def arun_sandboxed(target: str, /, *args: Any, limits: SandboxLimits | None = None,
-                         cwd: str | Path | None = None, **kwargs: Any) -> SandboxResult:
+                         cwd: str | Path | None = None, preload: Sequence[str] | None = None,
+                         **kwargs: Any) -> SandboxResult:
     """Async :func:`run_sandboxed`. Cancelling the awaiting task kills the child's process group."""
     limits = limits or SandboxLimits()
     prep = _Prepared(target, args, kwargs, limits, cwd)
     try:
+        if preload is not None:
+            return await _arun_forked(prep, tuple(preload))
         out, err = prep.open_outputs()
         start = time.perf_counter()
         with out, err:

@@ -76,12 +76,29 @@ def _strings(tree: ast.AST) -> list[str]:
     return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
+def _triton_kernels(tree: ast.AST) -> set[str]:
+    """Names of functions decorated with Triton's own ``jit`` (``triton.jit``, or ``jit`` imported
+    from triton, with or without arguments): a look-alike ``@jit`` of the candidate's own is not one."""
+    modules = {"triton"}
+    jits = {"triton.jit"}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            modules |= {a.asname or a.name for a in n.names if a.name == "triton"}
+        elif isinstance(n, ast.ImportFrom) and n.module == "triton":
+            jits |= {a.asname or a.name for a in n.names if a.name == "jit"}
+    jits |= {f"{m}.jit" for m in modules}
+    local = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    jits -= local  # a function of the candidate's own named jit shadows the import
+    return {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+            and any(_dotted(d.func if isinstance(d, ast.Call) else d) in jits for d in n.decorator_list)}
+
+
 def check_policy(code: str, backend: str, mode: Mode = "strict") -> PolicyReport:
     """Check a candidate's source against the policy for ``backend`` (cpu | triton | cuda)."""
     rep = PolicyReport(mode=mode)
     try:
         tree = ast.parse(code)
-    except SyntaxError as exc:  # not a policy matter: loading reports it as a load error
+    except SyntaxError:  # not a policy matter: loading reports it as a load error
         return rep
 
     def bad(rule: str, msg: str, node: ast.AST | None = None) -> None:
@@ -152,10 +169,12 @@ def check_policy(code: str, backend: str, mode: Mode = "strict") -> PolicyReport
         if "load_inline" not in calls or "__global__" not in "\n".join(sources):
             bad("no_kernel", "no CUDA kernel: the cuda backend needs load_inline(cuda_sources=...) with a __global__ function")
     elif backend == "triton":
-        jit = any(_dotted(d if not isinstance(d, ast.Call) else d.func).endswith("jit")
-                  for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) for d in n.decorator_list)
-        if not jit:
+        kernels = _triton_kernels(tree)
+        if not kernels:
             bad("no_kernel", "no Triton kernel: the triton backend needs a @triton.jit function")
+        elif not any(isinstance(n.func, ast.Subscript) and _dotted(n.func.value) in kernels
+                     for n in ast.walk(tree) if isinstance(n, ast.Call)):
+            bad("no_kernel", f"the Triton kernel ({', '.join(sorted(kernels))}) is never launched (kernel[grid](...))")
 
     # strict: ModelNew.forward must not compute with torch itself
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "ModelNew"):

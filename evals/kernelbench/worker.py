@@ -390,7 +390,34 @@ def _run(req: dict[str, Any], result: dict[str, Any]) -> None:
         worst = {key: max(worst[key], d[key]) for key in worst}
     result.update(worst)
 
-    # C. timing, interleaved, in this process
+    # C. timing, interleaved, in this process (skipped where timing means nothing: Triton
+    # under its CPU interpreter)
+    last_args: list[Any] = []
+    if req.get("timing", True):
+        last_args = _time(req, result, model, init_inputs, stored, seed, phase)
+
+    # D. recheck on unseen inputs, the reference gone again
+    gc.collect()
+    if req.get("recheck", True):
+        run_candidate(trials, "recheck after timing")
+        same_shapes = all(not isinstance(a, _Tensor) or tuple(a.shape) == tuple(b.shape)
+                          for a, b in zip(last_args, _from_store(stored[trials][0])))
+        if last_args and same_shapes:
+            # a result cached by input pointer shows here: the timed buffers, refilled with new values
+            run_candidate(trials, "recheck in the timed input buffers", into=last_args)
+    changed = _patched(before)
+    if changed:
+        raise Verdict("policy_violation", f"the candidate patched {', '.join(changed[:5])}")
+    if "speedup" in result:
+        result.update(status="correct", message=f"correct on {trials} trials and the post-timing recheck; "
+                                                f"speedup {result['speedup']:.3g}x over eager torch")
+    else:
+        result.update(status="correct", message=f"correct on {trials} trials and the recheck; not timed")
+
+
+def _time(req: dict[str, Any], result: dict[str, Any], model: Any, init_inputs: list[Any],
+          stored: list[tuple[list[Any], Any]], seed: int, phase: str) -> list[Any]:
+    """Time reference and candidate interleaved; returns the candidate's last timed arguments."""
     ref_mod = _exec_module("kb_reference_timing", req["problem_code"], "reference_timing.py")
     _seed(seed)
     ref_model = ref_mod.Model(*init_inputs)
@@ -433,22 +460,9 @@ def _run(req: dict[str, Any], result: dict[str, Any]) -> None:
     if profile:
         result["profile"] = _profile(fns, timing_inputs)
 
-    # D. recheck on unseen inputs, the reference gone again
     del fns, ref_model
     ref_mod.Model = None  # type: ignore[attr-defined]
-    gc.collect()
-    if req.get("recheck", True):
-        run_candidate(trials, "recheck after timing")
-        same_shapes = all(not isinstance(a, _Tensor) or tuple(a.shape) == tuple(b.shape)
-                          for a, b in zip(last_args, _from_store(stored[trials][0])))
-        if last_args and same_shapes:
-            # a result cached by input pointer shows here: the timed buffers, refilled with new values
-            run_candidate(trials, "recheck in the timed input buffers", into=last_args)
-    changed = _patched(before)
-    if changed:
-        raise Verdict("policy_violation", f"the candidate patched {', '.join(changed[:5])}")
-    result.update(status="correct", message=f"correct on {trials} trials and the post-timing recheck; "
-                                            f"speedup {result['speedup']:.3g}x over eager torch")
+    return last_args
 
 
 def _profile(fns: dict[str, Any], inputs: list[Any]) -> dict[str, Any]:

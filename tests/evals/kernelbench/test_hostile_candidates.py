@@ -8,7 +8,6 @@ so the runtime containment itself is what is tested; the policy verdict is check
 from __future__ import annotations
 
 import socket
-import time
 import uuid
 from pathlib import Path
 
