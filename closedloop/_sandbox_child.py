@@ -311,7 +311,7 @@ def zygote_main(sock_fd: int, config: dict) -> None:
     buf = b""
     while True:
         try:
-            ready, _, _ = select.select([sock, rd], [], [], 1.0)
+            ready = select.select([sock.fileno(), rd], [], [], 1.0)[0]
         except InterruptedError:
             ready = []
         if rd in ready:
@@ -330,7 +330,7 @@ def zygote_main(sock_fd: int, config: dict) -> None:
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             if call is not None:
                 sock.sendall((json.dumps({"id": call, "exit": code}) + "\n").encode())
-        if sock in ready:
+        if sock.fileno() in ready:
             data = sock.recv(1 << 20)
             if not data:  # the parent closed the socket (or exited): stop, killing what is left
                 for pid in running:

@@ -82,10 +82,13 @@ class SandboxLimits(BaseModel):
     threads: int = 1  # OMP_NUM_THREADS and friends
 
 
+Status = Literal["ok", "error", "timeout", "killed", "crashed", "memory_exceeded"]
+
+
 class SandboxResult(BaseModel):
     """What happened. ``value`` is the target's JSON return value when ``status == "ok"``."""
 
-    status: Literal["ok", "error", "timeout", "killed", "crashed", "memory_exceeded"]
+    status: Status
     value: Any = None
     error_type: str | None = None
     error_message: str | None = None
@@ -297,7 +300,7 @@ class _Prepared:
                          "user); the PID namespace and the wall clock still end every process")
         if not enforced.get("filesystem"):
             notes.append("writes outside the sandbox directory not prevented (no Landlock)")
-        common = dict(stdout=self._read_output(self.stdout_path), stderr=self._read_output(self.stderr_path),
+        common: dict[str, Any] = dict(stdout=self._read_output(self.stdout_path), stderr=self._read_output(self.stderr_path),
                       wall_s=wall_s, enforced=enforced, notes=notes, returncode=returncode)
         sig = None
         if returncode is not None:
@@ -330,6 +333,7 @@ class _Prepared:
                                  traceback_tail=data.get("traceback_tail"), **common)
         # No result: the process died before it could report.
         tail = common["stderr"][-2000:]
+        kind: Status
         if sig in (signal.SIGXCPU,) or (sig == signal.SIGKILL and self.limits.cpu_s and "cpu" in enforced):
             kind = "killed"
             message = (f"killed by {common['signal']}: CPU time limit ({self.limits.cpu_s:g} s) exceeded"
