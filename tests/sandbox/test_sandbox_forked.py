@@ -4,6 +4,7 @@ that preloaded torch (``preload=``), plus what is specific to the fork server.""
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 
@@ -49,3 +50,19 @@ def test_crash_and_timeout_leave_the_server_serving():
 def test_preload_of_a_missing_module_is_a_clear_error():
     with pytest.raises(RuntimeError, match="fork server failed to start"):
         sandbox.run_sandboxed(base.T + "add", 1, limits=base.limits(), preload=["no_such_module_xyz"])
+
+
+def test_without_namespaces_the_forked_child_is_still_limited_and_killed(monkeypatch, tmp_path):
+    """Where user namespaces are unavailable the child runs the target itself (no PID-1 waiter):
+    results, crashes and the wall clock behave the same, and the notes say what is missing."""
+    monkeypatch.setattr(sandbox, "_unshare_works", lambda: False)
+    res = base.run("add", 4)
+    assert res.status == "ok" and res.value["sum"] == 4
+    assert res.enforced["pid_namespace"] is False and any("network not isolated" in n for n in res.notes)
+    seg = base.run("segfault")
+    assert seg.status == "crashed" and seg.signal == "SIGSEGV"
+    marker = tmp_path / "late.txt"
+    late = base.run("spin_then_write", str(marker), 2.0, lim=base.limits(wall_s=0.5, writable_paths=[str(tmp_path)]))
+    assert late.status == "timeout"
+    time.sleep(2.5)
+    assert not marker.exists()
