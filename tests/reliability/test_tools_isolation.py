@@ -146,9 +146,17 @@ def test_isolation_is_declared_and_checked():
 
     with pytest.raises(ToolDefinitionError, match="module level"):
         Tool(local, isolation="process")
-    with pytest.raises(ToolDefinitionError, match="block the event loop"):
-        Tool(local, isolation="inline")
-    assert Tool(local).isolation == "thread"
+    assert Tool(local).isolation == "thread"  # a sync tool never blocks the loop unless its author says so
+    inline = Tool(local, isolation="inline")  # declared trivial (arithmetic): called on the loop, no thread hop
+    import asyncio
+
+    assert asyncio.run(inline.run({"x": 3})).content == "3"
+    with pytest.raises(ToolDefinitionError, match="an async function runs inline or in a process"):
+
+        async def coro(x: int) -> int:
+            return x
+
+        Tool(coro, isolation="thread")
 
 
 def test_heavy_paper_tools_default_to_process_isolation_with_a_memory_ceiling():
