@@ -207,8 +207,11 @@ def test_killed_or_interrupted_run_resumes_without_losing_or_repeating_episodes(
     user = GatedUser(open_calls=6)  # 2 calls per episode: a few episodes finish, the rest wait
     env = {**os.environ, "CLOSEDLOOP_HOME": str(tmp_path / "home")}
     with serve(user) as url:
+        # SIGINT back to its default in the child: a shell that starts the suite in the background
+        # ignores it, and an ignored signal stays ignored across exec.
         proc = subprocess.Popen([sys.executable, "-m", "closedloop", *_command(mini_root, store_path, url)],
-                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             stored = _stall(proc, user, store)
             proc.send_signal(sig)
