@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=60)
     ap.add_argument("--grpo-steps", type=int, default=30)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--weights", default="1:2,2:1",
+                    help="the two arms' alpha:gamma (comma-separated; the paper's Table 2 uses 1:2 and 2:1)")
     ap.add_argument("--full-agent", action="store_true",
                     help="the two-stage agent with tools (default: the report in the prompt, one answer)")
     args = ap.parse_args()
@@ -90,7 +92,11 @@ def main() -> None:
                               per_device_batch_size=16, seed=0, save_steps=None, save_total_limit=1,
                               torch_threads=1, logging_steps=max(1, args.sft_steps // 5), run_name="fg-sft"), experts)
     results = {"sft": evaluate_arm(Path(sft.output_dir), env_options, len(test))}
-    for name, alpha, gamma in (("alpha1_gamma2", 1.0, 2.0), ("alpha2_gamma1", 2.0, 1.0)):
+    arms = []
+    for w in args.weights.split(","):
+        a, g = (float(x) for x in w.split(":"))
+        arms.append((f"alpha{a:g}_gamma{g:g}", a, g))
+    for name, alpha, gamma in arms:
         opts = {**env_options, "reward": {"alpha": alpha, "gamma": gamma}}
         grpo = train_grpo(GRPOConfig(model=str(sft.output_dir), output_dir=str(out / name), env="factguard",
                                      env_options=opts, graph="factguard", max_steps=args.grpo_steps,
@@ -103,7 +109,7 @@ def main() -> None:
     results["n_train"], results["n_test"] = len(train), len(test)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     print(f"{'policy':16s} {'P':>6s} {'R':>6s} {'F1':>6s} {'Acc':>6s} {'tools':>6s}")
-    for k in ("sft", "alpha1_gamma2", "alpha2_gamma1"):
+    for k in ["sft"] + [name for name, _, _ in arms]:
         r = results[k]
         print(f"{k:16s} {r['precision']:6.3f} {r['recall']:6.3f} {r['f1']:6.3f} {r['accuracy']:6.3f} "
               f"{r['tool_rate']:6.2f}")
