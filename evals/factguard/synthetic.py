@@ -30,7 +30,9 @@ from closedloop.evals.factguard.data import Sample
 SUBJECTS = ["a shark", "a tiger", "a whale", "a crocodile", "an eagle", "a bear", "a kangaroo", "a penguin"]
 ACTIONS = ["swims on the highway", "walks into a supermarket", "lands on the bridge", "appears in the subway",
            "blocks the airport runway", "crosses the main square"]
-PLACES = ["Houston", "Lisbon", "Osaka", "Nairobi", "Toronto", "Sydney", "Lyon", "Lima", "Oslo", "Seoul"]
+PLACES = ["Houston", "Lisbon", "Osaka", "Nairobi", "Toronto", "Sydney", "Lyon", "Lima", "Oslo", "Seoul", "Dublin",
+          "Quito", "Hanoi", "Dakar", "Perth", "Porto", "Kyoto", "Accra", "Tunis", "Riga"]
+MAX_SAMPLES = len(SUBJECTS) * len(ACTIONS) * len(PLACES)  # every claim is distinct
 UPLOADERS = ["newsfan22", "citywatch", "dailyclips", "localeye", "viralnow"]
 
 
@@ -63,8 +65,8 @@ def make_synthetic(out_dir: str | Path, n: int = 40, *, seed: int = 0, evidence_
     from closedloop.tools.clipscout import write_video
     from closedloop.tools.factprobe import LocalCorpus
 
-    if n < 2:
-        raise ValueError("n must be >= 2")
+    if not 2 <= n <= MAX_SAMPLES:
+        raise ValueError(f"n must be in 2..{MAX_SAMPLES} (claims are distinct)")
     rng = random.Random(seed)
     out = Path(out_dir)
     (out / "videos").mkdir(parents=True, exist_ok=True)
