@@ -1,7 +1,7 @@
 """The working root: the directories whose files tools may read when a model names a path.
 
 A model (or whoever writes its prompt) chooses the strings a tool receives, so a path argument
-must not reach any file on the machine: ``/home/u/.ssh/key.npy``, ``../../secret.npz``,
+must not reach any file on the machine: ``~/.ssh/key.npy``, ``../../secret.npz``,
 ``~/data.safetensors``. Every path a tool reads or writes on a caller's behalf resolves through
 :func:`resolve_path`, which follows ``~``, ``..`` and symbolic links first and then requires the
 result to lie inside one of :func:`working_roots`:

@@ -74,7 +74,7 @@ class PreferenceConfig(TrainConfig):
         return value
 
     def pair_losses(self, logps: torch.Tensor, ref_logps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} defines no pair loss: use DPOConfig or ConstrainedPreferenceConfig")
 
 
 class DPOConfig(PreferenceConfig):
