@@ -2,12 +2,16 @@
 domain, the DB rows they touch, tau2's MIT LICENSE, and tau2's own outputs and DB hashes for the
 gold actions on that small DB, made by ``fixtures/make_fixtures.py``): tool schemas, every gold
 action's output, the final hash, and the oracle through orchestrator and evaluator. With full
-data (``TAU2_DATA_DIR``), the oracle is also checked on every train task of each domain."""
+data (``TAU2_DATA_DIR``), the oracle is also checked on every train task of each domain, and with
+real tau2 as well (``TAU2_PYTHON``), every train task's gold outputs and hashes are compared with
+tau2's. The two data files snapshots often lack (airline ``db.json``, telecom ``tasks.json``) are
+rebuilt byte for byte by ``fixtures/rebuild_tau2_data.py``."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -84,6 +88,36 @@ async def test_oracle_matches_gold_on_every_train_task_with_full_data(domain: st
     data = load_domain(domain, FULL)
     split = "train" if "train" in data.splits() else "base"  # e.g. telecom's tasks_small.json as tasks.json
     assert await _oracle(data, data.load_tasks(split).tasks) == []
+
+
+TAU2_PYTHON = os.environ.get("TAU2_PYTHON")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("domain", ["airline", "telecom"])
+def test_outputs_and_hashes_equal_real_tau2s_on_every_train_task(domain: str, tmp_path: Path) -> None:
+    if not FULL or not TAU2_PYTHON or not (Path(FULL) / "tau2" / "domains" / domain / "tasks.json").is_file():
+        pytest.skip("set TAU2_DATA_DIR (full data) and TAU2_PYTHON (a Python that imports tau2)")
+    gold_path = tmp_path / "gold.json"
+    run = subprocess.run([TAU2_PYTHON, str(FIXTURES / "tau2_train_gold.py"), FULL, str(gold_path)],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "TAU2_DATA_DIR": FULL})
+    assert run.returncode == 0, run.stderr[-2000:]
+    gold = json.loads(gold_path.read_text())[domain]
+    data = load_domain(domain, FULL, tau2_source=False)
+    tasks = data.load_tasks("train").tasks
+    assert sorted(t.id for t in tasks) == sorted(gold)
+    for task in tasks:
+        env = data.make_environment()
+        env.apply_initial_state(task.initial_state)
+        outputs = [env.run_tool_call(ToolCall.make(a.name, a.arguments, id=f"g{i}"), a.requestor).text
+                   for i, a in enumerate(task.evaluation_criteria.actions or [])]
+        want = gold[task.id]
+        assert outputs == want["outputs"], task.id
+        assert env.db.tau2_hash() == want["db_hash"], task.id
+        if "user_db_hash" in want:
+            assert env.user_db.tau2_hash() == want["user_db_hash"], task.id
+            assert [env.run_env_assertion(a)[0] for a in task.evaluation_criteria.env_assertions or []] == \
+                want["assertions"], task.id
 
 
 def test_unknown_domain_is_one_line_listing_the_domains() -> None:
