@@ -1,6 +1,6 @@
 """The τ task schema: field for field tau2's ``Task`` (``src/tau2/data_model/tasks.py``).
 
-Unknown keys are ignored (``annotations``, ``user_tools``, voice metadata, fields added upstream
+Unknown keys are ignored (``annotations``, ``required_documents``, voice metadata, fields added upstream
 later), so a newer tasks.json still loads; the fields that grading depends on are typed.
 """
 
@@ -152,6 +152,8 @@ class Task(_Lenient):
     initial_state: Optional[InitialState] = None
     evaluation_criteria: Optional[EvaluationCriteria] = None
     issues: Optional[list[dict[str, Any]]] = None
+    # τ³: the user tools offered to the user simulator, by name (None: all of the domain's)
+    user_tools: Optional[list[str]] = None
 
     # Set by the loader: which file (by content hash) this task came from. Not serialised, so
     # exported tasks keep tau2's shape; results carry it in their own field.

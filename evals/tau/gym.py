@@ -22,7 +22,7 @@ from typing import Any, Callable
 from closedloop.evals.tau.data_model import Task
 from closedloop.evals.tau.environment import Environment
 from closedloop.evals.tau.evaluator import evaluate
-from closedloop.evals.tau.orchestrator import Orchestrator, make_user
+from closedloop.evals.tau.orchestrator import Orchestrator, UserGuidelines, make_user
 from closedloop.evals.tau.simulation import SimulationRun, TerminationReason
 from closedloop.messages import AssistantMessage, ToolCall, Turn, _Message
 from closedloop.models.base import ModelClient
@@ -50,7 +50,7 @@ def parse_action(action: AssistantMessage | Turn | str) -> AssistantMessage | Tu
 
 class TauGymEnv:
     def __init__(self, task: Task, user_client: ModelClient, environment_factory: Callable[[], Environment], *,
-                 judge: ModelClient | None = None, guidelines: str | None = None, **orchestrator_kwargs: Any) -> None:
+                 judge: ModelClient | None = None, guidelines: str | UserGuidelines | None = None, **orchestrator_kwargs: Any) -> None:
         self.task = task
         self.user_client = user_client
         self.environment_factory = environment_factory

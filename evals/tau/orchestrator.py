@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
@@ -35,7 +36,8 @@ from closedloop.tool import Tool
 
 __all__ = ["GREETING", "STOP", "TRANSFER", "OUT_OF_SCOPE", "USER_STOP_TOKENS", "AGENT_INSTRUCTION",
            "agent_system_prompt", "strip_reasoning", "UserSimulator", "Orchestrator", "run_episode", "model_agent",
-           "AgentFn", "make_user", "load_user_guidelines", "DEFAULT_USER_GUIDELINES"]
+           "AgentFn", "make_user", "load_user_guidelines", "UserGuidelines", "parse_message_history", "DEFAULT_USER_GUIDELINES",
+           "DEFAULT_USER_TOOLS_GUIDELINES"]
 
 GREETING = "Hi! How can I help you today?"
 STOP, TRANSFER, OUT_OF_SCOPE = "###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###"
@@ -81,6 +83,17 @@ Your goal is to simulate realistic customer interactions while following the spe
 - If the scenario does not give you the information needed to continue, send '###OUT-OF-SCOPE###'.
 """
 
+# Our wording of tau2's extra rules for a user who has tools (simulation_guidelines_tools.md),
+# used with DEFAULT_USER_GUIDELINES' rules when no tau2 data root is given.
+DEFAULT_USER_TOOLS_GUIDELINES = DEFAULT_USER_GUIDELINES.replace(
+    "## Task Completion", """## Your Tools
+- You have tools that act on your own side (your phone, your account); the agent may ask you to use them.
+- Each message is either text for the agent or tool calls, never both. The agent sees only your text.
+- Call a tool only when the agent asks for that action or when you need its result to answer; one action at a time.
+- Report tool results as they are; never make them up. If a call fails, correct it and try again.
+
+## Task Completion""")
+
 _USER_SYSTEM = """
 {guidelines}
 
@@ -94,12 +107,34 @@ def agent_system_prompt(policy: str) -> str:
     return _AGENT_SYSTEM.format(agent_instruction=AGENT_INSTRUCTION, domain_policy=policy)
 
 
-def load_user_guidelines(data_root: str | Path | None) -> str:
-    if data_root is not None:
-        path = Path(data_root) / "tau2" / "user_simulator" / "simulation_guidelines.md"
-        if path.is_file():
-            return path.read_text()
-    return DEFAULT_USER_GUIDELINES
+@dataclass(frozen=True)
+class UserGuidelines:
+    """tau2's two user-simulator guideline texts: ``plain`` for a user without tools and ``tools``
+    for one with tools (dual control, e.g. telecom). tau2 picks the text by whether the simulator
+    was given user tools; so does :class:`UserSimulator` with this pair."""
+
+    plain: str = DEFAULT_USER_GUIDELINES
+    tools: str = DEFAULT_USER_TOOLS_GUIDELINES
+
+    def select(self, has_tools: bool) -> str:
+        return self.tools if has_tools else self.plain
+
+
+def load_user_guidelines(data_root: str | Path | None) -> UserGuidelines:
+    """tau2's ``simulation_guidelines.md`` and ``simulation_guidelines_tools.md`` from
+    ``<data_root>/tau2/user_simulator/`` (read as they are: byte-equal prompts); our own wording
+    for a file that is not there."""
+    folder = Path(data_root) / "tau2" / "user_simulator" if data_root is not None else None
+
+    def read(name: str, default: str) -> str:
+        path = folder / name if folder is not None else None
+        return path.read_text() if path is not None and path.is_file() else default
+
+    return UserGuidelines(plain=read("simulation_guidelines.md", DEFAULT_USER_GUIDELINES),
+                          tools=read("simulation_guidelines_tools.md", DEFAULT_USER_TOOLS_GUIDELINES))
+
+
+GuidelinesArg = Union[str, UserGuidelines, None]
 
 
 AgentOutput = Union[AssistantMessage, Turn]
@@ -119,18 +154,32 @@ class UserSimulator:
     """The user side: a model prompted with the guidelines and the task's scenario.
 
     Roles are flipped for the model: the agent's messages are its "user" turns and its own
-    replies are "assistant" turns. It sees only the agent's text, never tool traffic.
+    replies are "assistant" turns. It sees only the agent's text, never the agent's tool traffic.
+    ``guidelines`` is a text used as it is, or a :class:`UserGuidelines` pair whose ``tools`` text
+    is used once the simulator is given tools (:meth:`set_tools`), as tau2 does.
     """
 
-    def __init__(self, client: ModelClient, scenario: str, *, guidelines: str = DEFAULT_USER_GUIDELINES,
+    def __init__(self, client: ModelClient, scenario: str, *, guidelines: GuidelinesArg = None,
                  persona_guidelines: str = "", params: SamplingParams | None = None) -> None:
         self.client = client
         self.params = params or SamplingParams(temperature=0.0, max_tokens=1024, logprobs=False)
-        filled = guidelines.replace("<PERSONA_GUIDELINES>", f"\n\n{persona_guidelines}\n" if persona_guidelines else "")
-        self.system = SystemMessage(content=_USER_SYSTEM.format(guidelines=filled, instructions=scenario))
+        self.guidelines: str | UserGuidelines = guidelines if guidelines is not None else UserGuidelines()
+        self.scenario, self.persona_guidelines = scenario, persona_guidelines
         self.history: list[_Message] = []
         self.usage = Usage()
         self.tools: list[dict[str, Any]] | None = None  # user tool schemas (dual-control domains)
+        self.system = self._system_message()
+
+    def _system_message(self) -> SystemMessage:
+        text = self.guidelines if isinstance(self.guidelines, str) else self.guidelines.select(bool(self.tools))
+        persona = f"\n\n{self.persona_guidelines}\n" if self.persona_guidelines else ""
+        filled = text.replace("<PERSONA_GUIDELINES>", persona)
+        return SystemMessage(content=_USER_SYSTEM.format(guidelines=filled, instructions=self.scenario))
+
+    def set_tools(self, schemas: list[dict[str, Any]] | None) -> None:
+        """Give the simulator its own tools (tau2: then the tool-using guidelines apply)."""
+        self.tools = list(schemas) if schemas else None
+        self.system = self._system_message()
 
     async def act(self, agent_text: str | None) -> AssistantMessage:
         """The user's next message (its own view: an assistant message), text or, with user
@@ -212,8 +261,6 @@ class Orchestrator:
                  trial: int | None = None) -> None:
         if max_steps < 1 or max_errors < 1:
             raise ValueError("max_steps and max_errors must be at least 1")
-        if task.initial_state is not None and task.initial_state.message_history:
-            raise ValueError(f"task {task.id}: a pre-filled message_history is not supported yet")
         self.task, self.env, self.user = task, environment, user
         self._user_call_ids: set[str] = set()
         self.domain = domain or environment.domain.name
@@ -233,6 +280,7 @@ class Orchestrator:
         self.error: str | None = None
         self._to: _Role = _Role.USER
         self._pending: AssistantMessage | None = None
+        self._user_resumes = False  # the user's next turn follows its own tool results
         self._start_perf = 0.0
         self._start_time = ""
 
@@ -263,12 +311,76 @@ class Orchestrator:
     async def start(self) -> None:
         self._start_perf, self._start_time = time.perf_counter(), _now()
         self.env.apply_initial_state(self.task.initial_state)
-        if self.env.user_tools is not None and len(self.env.user_tools):
-            self.user.tools = [t.schema for t in self.env.user_tools]
+        if self.env.user_tools is not None:  # tau2: only the task's user_tools when it names them
+            names = self.task.user_tools
+            self.user.set_tools([t.schema for t in self.env.user_tools if names is None or t.name in names])
+        history = self.task.initial_state.message_history if self.task.initial_state is not None else None
+        if history:
+            self._start_from_history(history)
+            await self._advance()
+            return
         greeting = AssistantMessage(content=GREETING)
         self.trajectory.append(greeting)
         self._pending, self._to = greeting, _Role.USER
         await self._advance()
+
+    def _start_from_history(self, raw: list[dict[str, Any]]) -> None:
+        """tau2 ``initialize`` with a task's pre-filled ``message_history``: the history is
+        checked, its state-changing tool calls are replayed into the environment (a replayed
+        output that differs from the recorded one is an error, tau2's strict ``set_state``), it
+        becomes the start of the trajectory (no greeting), each side is given its own view of it,
+        and the last message decides who acts next."""
+        from closedloop.evals.tau.evaluator.db_check import replay_trajectory
+
+        history = parse_message_history(raw, self.task.id)
+        mismatches = replay_trajectory(self.env, history, strict=True)
+        if mismatches:
+            m = mismatches[0]
+            raise ValueError(f"task {self.task.id}: replaying message_history call {m['name']} ({m['tool_call_id']}) "
+                             f"returned {m['replayed']!r}, the history records {m['recorded']!r}")
+        self.trajectory = list(history)
+        user_calls = {c.id for m in history if isinstance(m, TauUserMessage) for c in m.tool_calls or []}
+        self._user_call_ids |= user_calls
+        last = history[-1]
+        # the user's view: the agent's text, its own messages and its own tool results, roles flipped
+        user_view = history if isinstance(last, (UserMessage, ToolMessage)) else history[:-1]
+        for m in user_view:
+            if isinstance(m, AssistantMessage) and not m.tool_calls:
+                self.user.history.append(UserMessage(content=strip_reasoning(m.text)))
+            elif isinstance(m, TauUserMessage) and m.tool_calls:
+                self.user.history.append(AssistantMessage(content=m.content, tool_calls=m.tool_calls))
+            elif isinstance(m, UserMessage):
+                self.user.history.append(AssistantMessage(content=m.text))
+            elif isinstance(m, ToolMessage) and m.tool_call_id in user_calls:
+                self.user.history.append(m)
+        # every call has its result (parse_message_history), so the last message is text or a result
+        if isinstance(last, AssistantMessage):
+            if STOP in strip_reasoning(last.text):
+                self.stop_token = STOP
+                self._finish(TerminationReason.AGENT_STOP)
+            self._pending, self._to = last, _Role.USER
+        elif isinstance(last, UserMessage):
+            token = next((t for t in USER_STOP_TOKENS if t in last.text), None)
+            if token is not None:
+                self.stop_token = token
+                self._finish(TerminationReason.USER_STOP)
+            self._to = _Role.AGENT
+        else:  # a tool result: back to whoever called
+            assert isinstance(last, ToolMessage)
+            user_result = last.tool_call_id in user_calls
+            self._to, self._user_resumes = (_Role.USER, True) if user_result else (_Role.AGENT, False)
+
+    def _run_user_tools(self, msg: TauUserMessage) -> list[ToolMessage]:
+        results = []
+        for call in msg.tool_calls or []:
+            self._user_call_ids.add(call.id)
+            result = self.env.run_tool_call(call, "user")
+            if result.error:
+                self.num_errors += 1
+            self.trajectory.append(result)
+            results.append(result)
+        self.user.add_tool_results(results)
+        return results
 
     async def submit(self, output: AgentOutput) -> None:
         """Take the agent's message and run the episode until the agent's next turn or the end."""
@@ -334,8 +446,12 @@ class Orchestrator:
         self._to = _Role.AGENT
 
     async def _user_turn(self) -> None:
-        assert self._pending is not None
-        visible: str | None = strip_reasoning(self._pending.text)
+        visible: str | None = None
+        if self._user_resumes:
+            self._user_resumes = False
+        else:
+            assert self._pending is not None
+            visible = strip_reasoning(self._pending.text)
         while True:
             try:
                 msg = await self.user.act(visible)
@@ -347,16 +463,9 @@ class Orchestrator:
             if not msg.tool_calls:
                 break
             # dual control: the user's own tool calls run on the user's side, unseen by the agent
-            self.trajectory.append(TauUserMessage(content=msg.content, tool_calls=msg.tool_calls))
-            results = []
-            for call in msg.tool_calls:
-                self._user_call_ids.add(call.id)
-                result = self.env.run_tool_call(call, "user")
-                if result.error:
-                    self.num_errors += 1
-                self.trajectory.append(result)
-                results.append(result)
-            self.user.add_tool_results(results)
+            user_msg = TauUserMessage(content=msg.content, tool_calls=msg.tool_calls)
+            self.trajectory.append(user_msg)
+            self._run_user_tools(user_msg)
             self.steps += 1
             self._check_limits()
             if self.done:
@@ -399,19 +508,55 @@ class Orchestrator:
             agent_turns=list(self.agent_turns), task_file_sha256=self.task.source_sha256)
 
 
-def make_user(task: Task, user_client: ModelClient, *, guidelines: str | None = None,
+def parse_message_history(raw: list[dict[str, Any]], task_id: str = "") -> list[_Message]:
+    """A task's ``message_history`` (tau2 message dicts) as our messages, checked as tau2's
+    ``validate_message_history`` checks it: only assistant, user and tool messages; each
+    assistant or user message has text or tool calls; n tool calls are followed by exactly n
+    tool messages, in order, with the caller's ids and requestor, including the last call (tau2's
+    ``set_state`` refuses a call without its result). A bad history is a ValueError."""
+    from closedloop.evals.tau.results import from_tau2_message
+
+    where = f"task {task_id}: message_history" if task_id else "message_history"
+    messages: list[_Message] = []
+    expected: list[tuple[str, str]] = []  # (call id, requestor) still owed a tool message
+    for i, item in enumerate(raw):
+        role = item.get("role") if isinstance(item, dict) else None
+        if role not in ("assistant", "user", "tool"):
+            raise ValueError(f"{where}[{i}]: role {role!r}; only assistant, user and tool messages are allowed")
+        msg = from_tau2_message(item)
+        if role == "tool":
+            if not expected:
+                raise ValueError(f"{where}[{i}]: a tool message that no tool call asked for")
+            call_id, requestor = expected.pop(0)
+            if item.get("id") != call_id or item.get("requestor", "assistant") != requestor:
+                raise ValueError(f"{where}[{i}]: tool message for {item.get('id')!r} "
+                                 f"(requestor {item.get('requestor', 'assistant')!r}); expected {call_id!r} ({requestor!r})")
+        else:
+            if expected:
+                raise ValueError(f"{where}[{i}]: {len(expected)} tool message(s) missing before this {role} message")
+            calls = getattr(msg, "tool_calls", None) or []
+            content = item.get("content")
+            if not calls and not (isinstance(content, str) and content.strip()):
+                raise ValueError(f"{where}[{i}]: a {role} message needs text or tool calls")
+            expected = [(c.id, role) for c in calls]
+        messages.append(msg)
+    if expected:
+        raise ValueError(f"{where}: {len(expected)} tool message(s) missing at the end")
+    return messages
+
+
+def make_user(task: Task, user_client: ModelClient, *, guidelines: GuidelinesArg = None,
               params: SamplingParams | None = None, seed: int | None = None) -> UserSimulator:
     """The user simulator for a task (tau2 defaults: temperature 0; the trial's seed, if any)."""
     if params is None:
         params = SamplingParams(temperature=0.0, max_tokens=1024, logprobs=False, seed=seed)
-    return UserSimulator(user_client, str(task.user_scenario), guidelines=guidelines or DEFAULT_USER_GUIDELINES,
-                         params=params)
+    return UserSimulator(user_client, str(task.user_scenario), guidelines=guidelines or None, params=params)
 
 
 async def run_episode(task: Task, agent: AgentFn, user_client: ModelClient, *,
                       environment: Environment | None = None,
                       environment_factory: Callable[[], Environment] | None = None,
-                      guidelines: str | None = None, user_params: SamplingParams | None = None,
+                      guidelines: GuidelinesArg = None, user_params: SamplingParams | None = None,
                       system_prompt: str | None = None, max_steps: int = 200, max_errors: int = 10,
                       timeout_s: float | None = None, validate_communication: bool = False,
                       seed: int | None = None, trial: int | None = None) -> SimulationRun:

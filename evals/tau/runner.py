@@ -41,7 +41,7 @@ from closedloop.evals.tau.eval_store import (EpisodeRecord, find_eval, latest_ep
                                              open_eval, record_episode, reopen_eval)
 from closedloop.evals.tau.evaluator import evaluate
 from closedloop.evals.tau.metrics import TauMetrics, compute_metrics
-from closedloop.evals.tau.orchestrator import Orchestrator, make_user
+from closedloop.evals.tau.orchestrator import Orchestrator, UserGuidelines, make_user
 from closedloop.evals.tau.results import RunInfo, write_results
 from closedloop.evals.tau.simulation import SimulationRun, TerminationReason
 from closedloop.messages import Usage
@@ -189,7 +189,7 @@ class TauRunner:
 
     def __init__(self, settings: EvalSettings, tasks: list[Task], data: DomainData, store: RunStore, *,
                  agents: TrialAgents, user_for: UserFactory, judge: ModelClient | None = None,
-                 guidelines: str | None = None,
+                 guidelines: str | UserGuidelines | None = None,
                  on_episode: Callable[[SimulationRun, EvalProgress], None] | None = None,
                  on_plan: Callable[[EvalProgress], None] | None = None) -> None:
         if not tasks:
