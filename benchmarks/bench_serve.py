@@ -1,13 +1,16 @@
-"""Throughput of ``closedloop serve`` under 1, 8 and 32 concurrent clients.
+"""Throughput of ``closedloop serve`` against ``transformers serve --continuous-batching``
+under 1, 8 and 32 concurrent clients, on the same model, prompts and client, in one run.
 
-The server's claim is that it does not serialise requests: concurrent requests reach the HF
-client's micro-batching queue together and are decoded as one batch. If that holds, requests/s
-grows with the number of clients; if the server (or the client) serialised them, the ratio would
-stay near 1. The server is the real CLI (``python -m closedloop serve``) in a subprocess, driven
-over HTTP by our ``openai:`` backend, so the figure includes the whole stack.
+Both servers are real CLIs in subprocesses (``python -m closedloop serve`` and transformers'
+own ``serve``, each with one torch thread), driven over HTTP by our ``openai:`` backend, so the
+figures include the whole stack. Requests use greedy decoding and the same ``max_tokens``; the
+ratio column is ours over the peer's requests/s at the same concurrency. ``hf:`` decodes with
+continuous batching: a request that arrives while others decode joins them at the next step,
+and "mean rows" is how many rows its decode steps carried on average.
 
     python benchmarks/bench_serve.py                      # builds the tiny model into a temp dir
-    python benchmarks/bench_serve.py --model /path/to/ckpt --concurrency 1 8 32 --requests 64
+    python benchmarks/bench_serve.py --model /path/to/ckpt --concurrency 1 8 32 --requests 160
+    python benchmarks/bench_serve.py --peer none          # ours only
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from closedloop.messages import UserMessage
-from closedloop.models import SamplingParams
+from closedloop.models import ModelError, SamplingParams
 from closedloop.models.openai_client import OpenAIClient
 
 PROMPTS = ["What is 3 plus 4?", "What is the weather in Paris?", "Hello!", "Multiply 6 by 7.",
@@ -45,6 +48,7 @@ class Level:
     completion_tokens: int
     latencies: list[float]
     mean_batch: float | None = None
+    mean_rows: float | None = None
 
     @property
     def rps(self) -> float:
@@ -69,7 +73,20 @@ def start_server(model: Path, port: int, max_tokens: int, max_batch_size: int,
     if torch_threads:
         cmd += ["--torch-threads", str(torch_threads)]
         env["OMP_NUM_THREADS"] = str(torch_threads)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    return wait_up(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env), port)
+
+
+def start_peer(model: Path, port: int, torch_threads: int | None) -> subprocess.Popen:
+    """``transformers serve MODEL --continuous-batching`` (paged attention, its own scheduler)."""
+    cmd = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", str(model),
+           "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--continuous-batching"]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if torch_threads:
+        env["OMP_NUM_THREADS"] = str(torch_threads)
+    return wait_up(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env), port)
+
+
+def wait_up(proc: subprocess.Popen, port: int) -> subprocess.Popen:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -83,8 +100,26 @@ def start_server(model: Path, port: int, max_tokens: int, max_batch_size: int,
     raise RuntimeError("server did not come up within 180 s")
 
 
-async def run_level(url: str, concurrency: int, n_requests: int, max_tokens: int, seed: int) -> Level:
-    client = OpenAIClient("tiny", base_url=url, concurrency=concurrency, timeout_s=600)
+async def answerable(url: str, model: str, prompts: list[str], max_tokens: int, seed: int) -> list[str]:
+    """The prompts a server answers at all. ``transformers serve`` answers 500 when the model's
+    reply holds a tool call it cannot parse (its response parser raises on the tiny model's
+    unfinished JSON), so such prompts are left out for both servers, and the run says so."""
+    client = OpenAIClient(model, base_url=url, max_retries=0, timeout_s=120)
+    ok = []
+    for p in prompts:
+        try:
+            await client.generate([UserMessage(content=p)], params=SamplingParams(temperature=0.0,
+                                                                                  max_tokens=max_tokens, seed=seed))
+            ok.append(p)
+        except ModelError:
+            pass
+    await client.aclose()
+    return ok
+
+
+async def run_level(url: str, concurrency: int, n_requests: int, max_tokens: int, seed: int,
+                    model: str = "tiny", prompts: list[str] = PROMPTS) -> Level:
+    client = OpenAIClient(model, base_url=url, concurrency=concurrency, timeout_s=600)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=seed)
     next_i = 0
     latencies: list[float] = []
@@ -95,7 +130,7 @@ async def run_level(url: str, concurrency: int, n_requests: int, max_tokens: int
         while next_i < n_requests:
             i = next_i
             next_i += 1
-            turn = await client.generate([UserMessage(content=PROMPTS[i % len(PROMPTS)])], params=params)
+            turn = await client.generate([UserMessage(content=prompts[i % len(prompts)])], params=params)
             latencies.append(turn.latency_s or 0.0)
             tokens += turn.usage.completion_tokens
 
@@ -105,30 +140,60 @@ async def run_level(url: str, concurrency: int, n_requests: int, max_tokens: int
     wall = time.perf_counter() - start
     after = batch_stats(url)
     await client.aclose()
-    mean_batch = None
+    mean_batch = mean_rows = None
     if before and after and after["batches"] > before["batches"]:
         mean_batch = (after["requests"] - before["requests"]) / (after["batches"] - before["batches"])
-    return Level(concurrency, n_requests, wall, tokens, latencies, mean_batch)
+    if before and after and after.get("decode_steps", 0) > before.get("decode_steps", 0):
+        steps = after["decode_steps"] - before["decode_steps"]
+        rows = after["mean_rows_per_step"] * after["decode_steps"] - before["mean_rows_per_step"] * before["decode_steps"]
+        mean_rows = rows / steps
+    return Level(concurrency, n_requests, wall, tokens, latencies, mean_batch, mean_rows)
 
 
 def batch_stats(url: str) -> dict | None:
-    """The server's micro-batcher record (requests and device batches so far), if it keeps one."""
-    return httpx.get(url.removesuffix("/v1") + "/health", timeout=10).json().get("batches")
+    """The server's batching record (admissions, decode steps and rows), if it keeps one."""
+    try:
+        return httpx.get(url.removesuffix("/v1") + "/health", timeout=10).json().get("batches")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None  # a peer without our /health record
 
 
-def report(levels: list[Level], console: Console, title: str) -> None:
+def report(levels: list[Level], console: Console, title: str, peer: list[Level] | None = None) -> None:
     base = levels[0].rps
     table = Table(title=title)
-    for col in ("clients", "requests", "wall s", "req/s", "tok/s", "p50 lat s", "p95 lat s",
-                "mean batch", f"req/s vs {levels[0].concurrency} client(s)"):
+    cols = ["clients", "requests", "wall s", "req/s", "tok/s", "p50 lat s", "p95 lat s", "mean batch", "mean rows",
+            f"req/s vs {levels[0].concurrency} client(s)"]
+    if peer:
+        cols += ["peer req/s", "peer tok/s", "peer p50 s", "ours / peer"]
+    for col in cols:
         table.add_column(col, justify="right")
-    for lv in levels:
+    for k, lv in enumerate(levels):
         lat = sorted(lv.latencies)
         p95 = lat[min(len(lat) - 1, int(0.95 * len(lat)))]
-        table.add_row(str(lv.concurrency), str(lv.requests), f"{lv.wall_s:.2f}", f"{lv.rps:.2f}", f"{lv.tps:.1f}",
-                      f"{statistics.median(lat):.3f}", f"{p95:.3f}",
-                      "-" if lv.mean_batch is None else f"{lv.mean_batch:.1f}", f"{lv.rps / base:.2f}x")
+        row = [str(lv.concurrency), str(lv.requests), f"{lv.wall_s:.2f}", f"{lv.rps:.2f}", f"{lv.tps:.1f}",
+               f"{statistics.median(lat):.3f}", f"{p95:.3f}",
+               "-" if lv.mean_batch is None else f"{lv.mean_batch:.1f}",
+               "-" if lv.mean_rows is None else f"{lv.mean_rows:.1f}", f"{lv.rps / base:.2f}x"]
+        if peer:
+            other = peer[k]
+            row += [f"{other.rps:.2f}", f"{other.tps:.1f}", f"{statistics.median(other.latencies):.3f}",
+                    f"{lv.rps / other.rps:.2f}x"]
+        table.add_row(*row)
     console.print(table)
+
+
+def measure(url: str, args: argparse.Namespace, model: str, prompts: list[str]) -> list[Level]:
+    asyncio.run(run_level(url, 1, 2, args.max_tokens, args.seed, model, prompts))  # warm-up: first-call costs
+    return [asyncio.run(run_level(url, c, args.requests, args.max_tokens, args.seed, model, prompts))
+            for c in args.concurrency]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     # On a shared, oversubscribed CPU, OpenMP's spinning threads made a 2-thread decode 10-100x
     # slower than a 1-thread one (measured); 0 leaves torch's default.
     ap.add_argument("--torch-threads", type=int, default=1, help="server's torch threads (0: torch default)")
+    ap.add_argument("--peer", choices=["transformers", "none"], default="transformers",
+                    help="the peer server measured in the same run (transformers serve --continuous-batching)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
     console = Console(width=max(Console().width, 110))
@@ -154,26 +221,39 @@ def main(argv: list[str] | None = None) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="bench-serve-")
         console.print("building the tiny model ...")
         model = build_tiny_model(Path(tmp.name) / "tiny", seed=args.seed)
-    port = free_port()
-    proc = start_server(model, port, args.max_tokens, args.max_batch_size, args.torch_threads or None)
-    url = f"http://127.0.0.1:{port}/v1"
+    peer: list[Level] | None = None
+    prompts = list(PROMPTS)
     try:
-        asyncio.run(run_level(url, 1, 2, args.max_tokens, args.seed))  # warm-up: first-call costs
-        levels = [asyncio.run(run_level(url, c, args.requests, args.max_tokens, args.seed))
-                  for c in args.concurrency]
-    finally:
-        proc.terminate()
+        if args.peer == "transformers":
+            port = free_port()
+            proc = start_peer(model, port, args.torch_threads or None)
+            try:
+                url = f"http://127.0.0.1:{port}/v1"
+                prompts = asyncio.run(answerable(url, str(model), PROMPTS, args.max_tokens, args.seed))
+                if not prompts:
+                    raise RuntimeError("the peer answered none of the prompts")
+                left_out = [p for p in PROMPTS if p not in prompts]
+                if left_out:
+                    console.print(f"left out (the peer answers them with a 500): {left_out}")
+                peer = measure(url, args, str(model), prompts)
+            finally:
+                stop(proc)
+        port = free_port()
+        proc = start_server(model, port, args.max_tokens, args.max_batch_size, args.torch_threads or None)
         try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            levels = measure(f"http://127.0.0.1:{port}/v1", args, "tiny", prompts)
+        finally:
+            stop(proc)
+    finally:
         if tmp is not None:
             tmp.cleanup()
     report(levels, console, f"closedloop serve, hf:{model.name}, max_tokens={args.max_tokens}, temperature=0, "
                             f"max batch {args.max_batch_size}, torch threads {args.torch_threads or 'default'}, "
-                            f"{os.cpu_count()} CPUs")
+                            f"{os.cpu_count()} CPUs" + ("; peer: transformers serve --continuous-batching"
+                                                         if peer else ""), peer)
     if args.json:
-        args.json.write_text(json.dumps([{**asdict(lv), "rps": lv.rps, "tps": lv.tps} for lv in levels], indent=2))
+        rows = lambda lvs: [{**asdict(lv), "rps": lv.rps, "tps": lv.tps} for lv in lvs or []]  # noqa: E731
+        args.json.write_text(json.dumps({"closedloop": rows(levels), "peer": rows(peer)}, indent=2))
     return 0
 
 

@@ -40,6 +40,30 @@ def settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any 
         pass  # the caller's loop is closed; nobody is waiting
 
 
+def settle_many(outcomes: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, Any, BaseException | None]]) -> None:
+    """:func:`settle` for several futures with one wake-up per event loop: each
+    ``call_soon_threadsafe`` writes to the loop's self-pipe, and on a busy process every such
+    write hands the GIL to the loop's thread, so a decode worker finishing rows pays it once."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, Any, BaseException | None]]] = {}
+    for loop, future, result, error in outcomes:
+        by_loop.setdefault(loop, []).append((future, result, error))
+
+    for loop, items in by_loop.items():
+        def apply(items: list[tuple[asyncio.Future, Any, BaseException | None]] = items) -> None:
+            for future, result, error in items:
+                if future.done():
+                    continue
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+
+        try:
+            loop.call_soon_threadsafe(apply)
+        except RuntimeError:
+            pass  # that loop is closed; nobody is waiting
+
+
 class MicroBatcher(Generic[T]):
     """Calls ``run_batch(items)`` on a worker thread with up to ``max_batch_size`` queued items,
     waiting at most ``wait_s`` after the first for more to arrive. Items whose ``future``

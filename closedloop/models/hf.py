@@ -4,9 +4,12 @@ Why a hand-written decode loop instead of ``model.generate``: every request in a
 own seed (a per-row ``torch.Generator``), so a seeded sample is the same whether the request ran
 alone or next to others, and trainers need the exact ids and the logprobs of the distribution that
 was sampled from. Requests from any event loop go onto one thread-safe queue; a worker thread
-gathers what arrives within ``batch_wait_ms`` (up to ``max_batch_size``) into one left-padded batch
-and decodes it with a KV cache. The queue lives in a thread rather than in one event loop so a
-client can be shared across loops (tests, notebooks, a server).
+decodes them with continuous batching (:mod:`closedloop.models.decode_batch`): requests that
+arrive while a batch decodes are prefilled and join it at the next step (up to
+``max_batch_size`` rows), and a row that ends is returned at once. When idle, the worker gathers
+what arrives within ``batch_wait_ms`` so a group sent together starts together. The queue lives
+in a thread rather than in one event loop so a client can be shared across loops (tests,
+notebooks, a server).
 
 Logprobs (``Turn.logprob_spec``, mode ``"tempered"``, backend ``"hf"``): the recorded value is
 ``log_softmax(logits / temperature)`` at the chosen token, computed in float32 on the full
@@ -46,10 +49,11 @@ import contextlib
 import inspect
 import json
 import logging
+import queue
 import secrets
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
@@ -58,7 +62,8 @@ from closedloop.messages import LogprobSpec, MediaRef, Turn, Usage, _Message
 from closedloop.models.base import (ContextLengthExceededError, GenerateRequest, ModelClient, ModelError, SamplingParams,
                                     StreamEvent,
                                     TextDelta, ToolChoice, TurnDone)
-from closedloop.models.batching import MicroBatcher, settle
+from closedloop.models.batching import settle, settle_many
+from closedloop.models.decode_batch import DecodeBatch
 from closedloop.models.chat_format import END_MARKERS, decode_ids, encode_prompt, parse_completion
 from closedloop.models.multimodal import require_text_only
 
@@ -69,6 +74,10 @@ log = logging.getLogger("closedloop.models.hf")
 MIN_TEMPERATURE = 1e-2
 #: Prompts whose text is at most this many characters are keyed for sharing one tokenisation.
 _SHARE_PROMPT_CHARS = 1 << 16
+#: Text prompts of at most this many characters are rendered on the caller's loop (see
+#: ``HFClient._encode_off_worker``); the last ``_RECENT_PROMPTS`` renderings are kept.
+_INLINE_PROMPT_CHARS = 1 << 13
+_RECENT_PROMPTS = 256
 
 
 def safe_params(params: SamplingParams) -> SamplingParams:
@@ -161,12 +170,20 @@ class HFClient(ModelClient):
         self.spec = f"hf:{self.name}"
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000.0
-        #: How many requests each device batch held, in order; the micro-batcher's observable effect.
+        #: How many requests each prefill admitted, in order: a group that arrives together (a GRPO
+        #: group, concurrent clients) is prefilled together and then decodes beside whatever runs.
         self.batch_sizes: list[int] = []
-        self._batcher: MicroBatcher[_Request] = MicroBatcher(self._run_batch, max_batch_size=max_batch_size,
-                                                             wait_s=self.batch_wait_s, name="closedloop-hf-batcher")
-        #: Held for the whole of every device batch; a trainer holds it while it changes the weights.
-        self.weights_lock: threading.RLock = self._batcher.lock
+        #: Decode forward passes so far, and the rows they carried (mean rows per step = their ratio).
+        self.decode_steps = 0
+        self.decode_rows = 0
+        self._queue: queue.Queue[_Request | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._worker_lock = threading.Lock()
+        #: Held by the worker while any row is decoding; take it through :meth:`paused`, which also
+        #: stops new rows from joining so that the running ones can drain.
+        self.weights_lock: threading.RLock = threading.RLock()
+        self._pausing = 0
+        self._pausing_lock = threading.Lock()
         self._warned_training = False
         #: Rows whose caller went away mid-decode and were dropped (e.g. a disconnected stream).
         self.cancelled_rows = 0
@@ -175,12 +192,16 @@ class HFClient(ModelClient):
                                                                      thread_name_prefix="closedloop-hf-tokenize")
         self._prompt_lock = threading.RLock()  # re-entrant: a done job runs its callback at once
         self._prompts_in_flight: dict[str, concurrent.futures.Future] = {}
+        self._recent_prompts: OrderedDict[str, tuple[list[int], dict[str, Any] | None, list[MediaRef]]] = \
+            OrderedDict()
         # Byte-level BPE vocab entries hold one character per byte, so none decodes to more characters.
         # x4: headroom for normalisers that fold several input characters into one (NFKC combining marks).
         self._max_token_chars = 4 * (max((len(t) for t in tokenizer.get_vocab()), default=1) or 1)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
         self._eos_ids = self._stop_token_ids()
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self._pad_id = pad if pad is not None else min(self._eos_ids)
         self._end_markers = tuple(self.decode([i]) for i in sorted(self._eos_ids))
 
     # ------------------------------------------------------------------ construction
@@ -308,32 +329,60 @@ class HFClient(ModelClient):
     def batch_stats(self) -> dict[str, Any]:
         sizes = self.batch_sizes
         return {"batches": len(sizes), "requests": sum(sizes), "max_batch": max(sizes, default=0),
-                "histogram": dict(sorted(Counter(sizes).items())), "cancelled_rows": self.cancelled_rows}
+                "histogram": dict(sorted(Counter(sizes).items())), "cancelled_rows": self.cancelled_rows,
+                "decode_steps": self.decode_steps,
+                "mean_rows_per_step": self.decode_rows / self.decode_steps if self.decode_steps else 0.0}
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """No generation runs on the model inside this block (hold it around an optimizer step).
 
-        Waits for the batch in progress to finish; requests submitted inside the block run after
-        it, on the updated weights. Re-entrant (a ``threading.RLock``). Do not await a generation
+        Waits for the rows decoding now to finish (none joins them once a pause is waiting);
+        requests submitted inside the block run after it, on the updated weights. Re-entrant (a ``threading.RLock``). Do not await a generation
         of this client inside the block: it cannot run until the block exits.
         """
-        with self.weights_lock:
-            yield
+        with self._pausing_lock:
+            self._pausing += 1
+        try:
+            with self.weights_lock:
+                yield
+        finally:
+            with self._pausing_lock:
+                self._pausing -= 1
 
     async def aclose(self) -> None:
-        await self._batcher.close()
+        """Let queued and running requests finish, then stop the worker."""
+        worker = self._worker
+        if worker is not None and worker.is_alive():
+            self._queue.put(None)
+            await asyncio.get_running_loop().run_in_executor(None, worker.join, 30.0)
+        self._worker = None
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ queue and worker
 
     async def _encode_off_worker(self, req: _Request) -> tuple[list[int], dict[str, Any] | None, list[MediaRef]]:
-        """``_encode_request(req)`` on the tokenizer pool, never on the decode worker. Identical
-        small prompts in flight together (a GRPO group) share one encoding, so they still reach
-        the queue together and land in one batch."""
+        """``_encode_request(req)`` never on the decode worker: short text prompts on the caller's
+        loop, others on the tokenizer pool. Identical prompts in flight together (a GRPO group)
+        share one encoding, so they still reach the queue together and land in one batch."""
         key = None
-        if _prompt_chars(req.messages) <= _SHARE_PROMPT_CHARS:
+        chars = _prompt_chars(req.messages)
+        if chars <= _SHARE_PROMPT_CHARS:
             key = json.dumps([[m.model_dump_json() for m in req.messages], req.tools, req.tool_choice], default=str)
+        if key is not None and chars <= _INLINE_PROMPT_CHARS and type(self)._encode_request is HFClient._encode_request:
+            # A short text prompt costs about a millisecond to render: done here, it reaches the
+            # queue at once instead of after the loop's other ready tasks (a rollout starting 32
+            # episodes queued nothing for ~50 ms). Recent ones are kept (a GRPO group's twins).
+            hit = self._recent_prompts.get(key)
+            if hit is None:
+                hit = self._encode_request(req)
+                self._recent_prompts[key] = hit
+                if len(self._recent_prompts) > _RECENT_PROMPTS:
+                    self._recent_prompts.pop(next(iter(self._recent_prompts)))
+            else:
+                self._recent_prompts.move_to_end(key)
+            ids, extras, media = hit
+            return list(ids), extras, list(media)
         with self._prompt_lock:
             job = self._prompts_in_flight.get(key) if key is not None else None
             if job is None:
@@ -374,18 +423,99 @@ class HFClient(ModelClient):
                     f"prompt of {len(prompt)} tokens leaves no room in the model's {limit}-token context",
                     prompt_tokens=len(prompt), limit=limit)
         fut.add_done_callback(lambda f: req.cancelled.set() if f.cancelled() else None)
-        self._batcher.put(req)
+        self._put(req)
         return await fut
 
     @staticmethod
     def _resolve(req: _Request, result: Turn | None = None, error: BaseException | None = None) -> None:
         settle(req.loop, req.future, result, error)
 
-    def _run_batch(self, reqs: list[_Request]) -> None:
+    # ------------------------------------------------------------------ continuous batching
+
+    def _put(self, req: _Request) -> None:
+        self._queue.put(req)
+        with self._worker_lock:
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._work, name="closedloop-hf-decoder", daemon=True)
+                self._worker.start()
+
+    def _gather(self, first: _Request, room: int) -> tuple[list[_Request], bool]:
+        """``first`` plus what arrives within ``batch_wait_ms`` (up to ``room`` requests): requests
+        sent together (a GRPO group) start together. Also returns whether the stop sentinel came."""
+        batch = [first]
+        deadline = time.perf_counter() + self.batch_wait_s
+        while len(batch) < room:
+            remaining = deadline - time.perf_counter()
+            try:
+                item = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                return batch, True
+            batch.append(item)
+        return batch, False
+
+    def _drain(self, room: int) -> tuple[list[_Request], bool]:
+        """What is queued now (up to ``room`` requests), without waiting."""
+        batch: list[_Request] = []
+        while len(batch) < room:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                return batch, True
+            batch.append(item)
+        return batch, False
+
+    def _work(self) -> None:
+        """The decode worker: admit queued requests into the running batch between steps, decode
+        one token for every row, hand each finished row to its caller at once.
+
+        ``weights_lock`` is held from the first admitted row until the batch is empty, so no row
+        ever decodes across a weight update; while someone waits in :meth:`paused`, no new row is
+        admitted and the running ones drain.
+        """
+        import torch
+
+        active: DecodeBatch | None = None
+        holding = stopping = False
+        try:
+            while True:
+                if active is None:
+                    if holding:
+                        self.weights_lock.release()
+                        holding = False
+                    if stopping:
+                        return
+                    first = self._queue.get()
+                    if first is None:
+                        return
+                    reqs, stopping = self._gather(first, self.max_batch_size)
+                    self.weights_lock.acquire()
+                    holding = True
+                    with torch.no_grad():
+                        active = self._admit(reqs, None)
+                elif not stopping and not self._pausing and len(active) < self.max_batch_size and active.mergeable():
+                    reqs, stopping = self._drain(self.max_batch_size - len(active))
+                    if reqs:
+                        with torch.no_grad():
+                            active = self._admit(reqs, active)
+                if active is not None:
+                    with torch.no_grad():
+                        active = self._step(active)
+        finally:
+            if holding:
+                self.weights_lock.release()
+
+    def _admit(self, reqs: list[_Request], active: DecodeBatch | None) -> DecodeBatch | None:
+        """Prefill the requests still wanted and join them to ``active`` (or start a batch)."""
         import torch
 
         rows: list[_Row] = []
         for req in reqs:
+            if req.future.cancelled() or req.cancelled.is_set():
+                continue
             try:
                 assert req.encoded is not None, "requests are encoded before they are queued"
                 prompt, extras, media = req.encoded
@@ -396,146 +526,108 @@ class HFClient(ModelClient):
             except Exception as e:  # a bad request fails alone, not its batch-mates
                 self._resolve(req, error=e)
         if not rows:
-            return
+            return active
         self.batch_sizes.append(len(rows))
         if getattr(self.model, "training", False) and not self._warned_training:
             self._warned_training = True  # the caller's choice (see the module docstring); said once
             log.warning("%s: generating while the model is in train mode: dropout, if the model has any, "
                         "is active in sampling and in the recorded logprobs", self.spec)
         try:
-            # The batcher holds weights_lock around this call: no weight update mid-batch.
-            with torch.no_grad():
-                self._decode(rows)
-        except Exception as e:
+            device = next(self.model.parameters()).device
+            fresh = DecodeBatch.prefill(self.model, rows, pad=self._pad_id, cache_kw=self._cache_kw, device=device,
+                                        extra_inputs=self._prefill_inputs(rows, device))
+            if active is None:
+                return fresh
+            active.merge(fresh)
+            return active
+        except Exception as e:  # the newcomers fail; rows already decoding go on
             for row in rows:
                 self._resolve(row.req, error=ModelError(f"generation failed: {type(e).__name__}: {e}"))
-            return
-        for row in rows:
-            if row.finish == "cancelled":
-                continue  # nobody is waiting
-            if row.error is not None:
-                self._resolve(row.req, error=row.error)
-                continue
-            try:
-                self._resolve(row.req, self._finish_turn(row))
-            except Exception as e:
-                self._resolve(row.req, error=e)
+            return active
 
-    def _decode(self, rows: list[_Row]) -> None:
-        """Prefill, then one forward pass per token for the whole batch.
+    def _step(self, batch: DecodeBatch) -> DecodeBatch | None:
+        """Draw one token for every row, finish the rows that ended, feed the rest one step."""
+        import torch
 
-        Sampling is vectorised over the batch (one tempered ``log_softmax``, one top-p mask, one
-        inverse-CDF draw for all rows); the randomness stays per row: each row's uniforms come from
-        its own seeded generator, drawn up front (``u[t]`` picks the row's ``t``-th token), so a
-        seeded request samples the same alone or in a batch. Text is decoded per token only for
-        rows that stream or have stop strings; the others are decoded once, at the end.
+        try:
+            gone = [i for i, r in enumerate(batch.rows) if r.req.cancelled.is_set()]
+            if gone:  # callers that went away: their rows leave the batch (and its KV cache) now
+                self.cancelled_rows += len(gone)
+                batch.keep([i for i in range(len(batch)) if i not in set(gone)])
+                if not len(batch):
+                    return None
+            tokens, ended = self._sample(batch)
+            if ended:
+                settle_many([self._outcome(batch.rows[i]) for i in ended])
+            if ended:
+                stay = [i for i in range(len(batch)) if i not in set(ended)]
+                if not stay:
+                    return None
+                batch.keep(stay)
+                tokens = tokens[torch.tensor(stay, dtype=torch.long)]
+            self.decode_steps += 1
+            self.decode_rows += len(batch)
+            batch.forward(self.model, tokens, self._cache_kw)
+            return batch
+        except Exception as e:
+            for row in batch.rows:
+                self._resolve(row.req, error=ModelError(f"generation failed: {type(e).__name__}: {e}"))
+            return None
+
+    def _sample(self, batch: DecodeBatch) -> tuple[Any, list[int]]:
+        """One token per row from ``batch.last``; returns the tokens and the rows that ended.
+
+        Vectorised over the batch (one tempered ``log_softmax``, one top-p mask, one inverse-CDF
+        draw); the randomness stays per row: row ``i``'s ``t``-th token reads its own ``t``-th
+        uniform, so a seeded request samples the same alone or beside others. Text is decoded per
+        token only for rows that stream or have stop strings; the others are decoded once, at the end.
         """
         import torch
 
-        from transformers import DynamicCache
-
-        device = next(self.model.parameters()).device
-        pad = self.tokenizer.pad_token_id
-        if pad is None:
-            pad = min(self._eos_ids)
-        width = max(len(r.prompt_ids) for r in rows)
-        n = len(rows)
-        input_ids = torch.full((n, width), pad, dtype=torch.long)
-        attn = torch.zeros((n, width), dtype=torch.long)
-        for i, r in enumerate(rows):  # left padding keeps every row's last token in the last column
-            input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            attn[i, width - len(r.prompt_ids):] = 1
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
-        steps = max(r.max_new for r in rows)
-        # Per-row sampling settings as columns; greedy rows read the plain softmax (temperature 1).
-        params = [r.req.params for r in rows]
-        greedy = torch.tensor([p.temperature == 0 for p in params])
-        temps = torch.tensor([[1.0 if p.temperature == 0 else float(p.temperature)] for p in params])
-        # float64: a top_p of 1e-300 is 0 in float32 (an empty nucleus); the draw keeps the top token
-        top_p = torch.tensor([[1.0 if p.temperature == 0 else float(p.top_p)] for p in params], dtype=torch.float64)
-        any_top_p = bool((top_p < 1.0).any())
-        any_greedy, all_greedy = bool(greedy.any()), bool(greedy.all())
-        uniforms = torch.stack([torch.zeros(steps, dtype=torch.float64) if p.temperature == 0 else
-                                torch.rand(steps, generator=r.generator, dtype=torch.float64)
-                                for p, r in zip(params, rows)])
-        max_new = torch.tensor([r.max_new for r in rows])
-        eos = torch.tensor(sorted(self._eos_ids), dtype=torch.long)
-        texty = [i for i, r in enumerate(rows) if r.req.on_delta is not None or r.req.params.stop]
-        out_ids = torch.full((n, steps), pad, dtype=torch.long)
-        out_lp = torch.zeros((n, steps), dtype=torch.float32)
-        done = torch.zeros(n, dtype=torch.bool)
-        lengths = torch.zeros(n, dtype=torch.long)
-        try:
-            cache = DynamicCache(config=self.model.config)
-        except TypeError:  # transformers < 4.56
-            cache = DynamicCache()
-        input_ids, attn, positions = input_ids.to(device), attn.to(device), positions.to(device)
-        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **self._prefill_inputs(rows, device), **{self._cache_kw: cache})
-        next_pos = positions[:, -1:] + 1
-        ones = torch.ones((n, 1), dtype=attn.dtype, device=device)
-        last = out.logits[:, -1, :]
-        for t in range(steps):
-            gone = [i for i, r in enumerate(rows) if r.req.cancelled.is_set() and not bool(done[i])]
-            if gone:  # callers that went away: their rows leave the batch (and its KV cache) now
-                for i in gone:
-                    rows[i].finish = "cancelled"
-                    self.cancelled_rows += 1
-                keep_list = [i for i in range(len(rows)) if i not in set(gone)]
-                if not keep_list:
-                    break
-                keep = torch.tensor(keep_list, dtype=torch.long)
-                rows = [rows[i] for i in keep_list]
-                greedy, temps, top_p, uniforms, max_new = greedy[keep], temps[keep], top_p[keep], uniforms[keep], \
-                    max_new[keep]
-                out_ids, out_lp, done, lengths = out_ids[keep], out_lp[keep], done[keep], lengths[keep]
-                on_device = keep.to(device)
-                cache.batch_select_indices(on_device)
-                last, attn, next_pos, ones = last[on_device], attn[on_device], next_pos[on_device], ones[on_device]
-                texty = [i for i, r in enumerate(rows) if r.req.on_delta is not None or r.req.params.stop]
-            if bool(done.all()):
-                break
-            logits = last.float().cpu()
-            logp = torch.log_softmax(logits / temps, dim=-1)
-            # A row whose logits are not finite fails alone; its batch-mates go on.
-            broken = ~done & torch.isnan(logp).any(-1)
-            if bool(broken.any()):
-                for i in broken.nonzero()[:, 0].tolist():
-                    rows[i].error = ModelError(f"the model produced non-finite logits at step {t} of this request")
-                    rows[i].finish = "error"
-                done = done | broken
-                logp = torch.where(broken[:, None], torch.zeros_like(logp), logp)
-            if all_greedy:
-                tokens = logits.argmax(-1)
+        logits = batch.last.float().cpu()
+        logp = torch.log_softmax(logits / batch.temps, dim=-1)
+        broken = torch.isnan(logp).any(-1)
+        if bool(broken.any()):  # a row whose logits are not finite fails alone; its batch-mates go on
+            logp = torch.where(broken[:, None], torch.zeros_like(logp), logp)
+        if bool(batch.greedy.all()):
+            tokens = logits.argmax(-1)
+        else:
+            col = batch.step.clamp(max=batch.uniforms.shape[1] - 1)[:, None]
+            top_p = batch.top_p if bool((batch.top_p < 1.0).any()) else None
+            tokens = self._draw(logp, top_p, batch.uniforms.gather(1, col)[:, 0])
+            if bool(batch.greedy.any()):
+                tokens = torch.where(batch.greedy, logits.argmax(-1), tokens)
+        chosen = logp.gather(1, tokens[:, None])[:, 0]
+        batch.step += 1
+        ended: list[int] = []
+        for i, (r, token, lp, bad) in enumerate(zip(batch.rows, tokens.tolist(), chosen.tolist(), broken.tolist())):
+            if bad:
+                r.error = ModelError(f"the model produced non-finite logits at step {len(r.ids)} of this request")
+                r.finish = "error"
+                ended.append(i)
+                continue
+            r.ids.append(token)
+            r.logprobs.append(lp)
+            if token in self._eos_ids:
+                r.finish = "stop"
+            elif (r.req.on_delta is not None or r.req.params.stop) and self._text_step(r):
+                r.finish = "stop"
+            elif len(r.ids) >= r.max_new:
+                r.finish = "length"
             else:
-                tokens = self._draw(logp, top_p if any_top_p else None, uniforms[:, t])
-                if any_greedy:
-                    tokens = torch.where(greedy, logits.argmax(-1), tokens)
-            tokens = torch.where(done, pad, tokens)
-            active = ~done
-            out_ids[:, t] = tokens
-            out_lp[:, t] = logp.gather(1, tokens[:, None])[:, 0]
-            lengths += active.long()
-            stopped = active & torch.isin(tokens, eos)
-            finished_len = active & ~stopped & (lengths >= max_new)
-            for i in texty:
-                if bool(active[i]) and not bool(stopped[i]) and self._text_step(rows[i], out_ids[i, :t + 1].tolist()):
-                    stopped[i] = True
-                    finished_len[i] = False
-            for i in (stopped | finished_len).nonzero()[:, 0].tolist():
-                rows[i].finish = "stop" if bool(stopped[i]) else "length"
-            done = done | stopped | finished_len
-            if bool(done.all()):
-                break
-            attn = torch.cat([attn, ones], dim=1)
-            out = self.model(input_ids=tokens.to(device).unsqueeze(1), attention_mask=attn, position_ids=next_pos,
-                             use_cache=True, **{self._cache_kw: cache})
-            last = out.logits[:, -1, :]
-            next_pos = next_pos + 1
-        ids_list, lp_list, len_list = out_ids.tolist(), out_lp.tolist(), lengths.tolist()
-        for i, r in enumerate(rows):
-            r.ids = ids_list[i][:len_list[i]]
-            r.logprobs = lp_list[i][:len_list[i]]
+                continue
+            ended.append(i)
+        return tokens, ended
+
+    def _outcome(self, row: _Row) -> tuple[asyncio.AbstractEventLoop, asyncio.Future, Turn | None,
+                                           BaseException | None]:
+        """What to settle the row's future with: its turn, or the error that ended it."""
+        if row.error is not None:
+            return row.req.loop, row.req.future, None, row.error
+        try:
+            return row.req.loop, row.req.future, self._finish_turn(row), None
+        except Exception as e:
+            return row.req.loop, row.req.future, None, e
 
     @staticmethod
     def _draw(logp, top_p, u):
@@ -558,10 +650,9 @@ class HFClient(ModelClient):
             tokens = torch.where(over, last, tokens)
         return tokens
 
-    def _text_step(self, r: _Row, ids: list[int]) -> bool:
+    def _text_step(self, r: _Row) -> bool:
         """Streaming / stop strings for one row after it drew a (non-end) token: emit the new
         complete text; True when a stop string has appeared."""
-        r.ids = ids
         delta = self._advance_text(r)
         if delta and r.req.on_delta is not None:
             r.req.on_delta(delta)

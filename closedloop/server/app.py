@@ -294,6 +294,8 @@ def _decode_tokens(client: ModelClient, ids: list[int]) -> list[str]:
     tok = getattr(client, "tokenizer", None)
     if tok is not None:
         try:
+            if hasattr(tok, "batch_decode"):
+                return list(tok.batch_decode([[i] for i in ids]))  # one call, not one per token
             return [tok.decode([i]) for i in ids]
         except Exception:  # noqa: BLE001 - a tokenizer quirk must not fail the request
             log.warning("could not decode token ids for logprobs", exc_info=True)

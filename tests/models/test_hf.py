@@ -225,7 +225,7 @@ async def test_paused_keeps_generation_out_until_the_block_exits(tiny_model_path
         pending = asyncio.ensure_future(client.generate([UserMessage(content="Hi")], None, params))
         for _ in range(200):  # until the worker has taken the request and waits on the lock
             await asyncio.sleep(0.01)
-            if client._batcher._queue.empty():
+            if client._queue.empty():
                 break
         await asyncio.sleep(0.2)  # ample time to decode if the lock did not hold it back
         assert not pending.done() and not seen, "a generation decoded inside paused()"

@@ -83,7 +83,9 @@ class _GatedTokenizerClient(HFClient):
 
 async def test_a_slow_prompt_does_not_block_the_decode_worker(tiny):
     client = _GatedTokenizerClient(tiny.model, tiny.tokenizer, batch_wait_ms=5)
-    big = asyncio.ensure_future(client.generate([UserMessage(content="BIG " * 1000)], None,
+    # Above hf:'s inline limit (short prompts are rendered on the caller's loop; long ones go to
+    # the tokenizer pool, which is what this test is about).
+    big = asyncio.ensure_future(client.generate([UserMessage(content="BIG " + "word " * 1700)], None,
                                                 SamplingParams(temperature=0, max_tokens=4)))
     await asyncio.get_running_loop().run_in_executor(None, client.started.wait, 60)
     assert client.started.is_set()

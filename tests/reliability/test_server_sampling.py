@@ -62,12 +62,15 @@ async def test_tiny_temperature_and_top_p_do_not_fail_or_change_batch_mates(clie
 
 async def test_a_row_with_non_finite_logits_fails_alone(client, tiny_model_path):
     """A model that turns one row's logits into NaN (a hook on the real model: row 0 of every
-    forward pass) fails that request only; its batch-mate gets the sample it gets alone."""
+    forward pass over more than one row) fails that request only; its batch-mate gets the sample
+    it gets alone (and, once alone in the batch, decodes on unpoisoned)."""
     solo = HFClient.from_model(client.model, client.tokenizer, batch_wait_ms=400, max_batch_size=4)
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=10)
     alone = await solo.generate(_msgs("Who are you?"), None, params)
 
     def poison(module, inputs, output):
+        if output.shape[0] < 2:
+            return output
         output = output.clone()
         output[0] = float("nan")
         return output

@@ -1,0 +1,128 @@
+"""Continuous batching in ``hf:``: a request that arrives while others decode joins the running
+batch at the next step and returns when it is done, not when the batch is; joining changes no
+row's tokens or logprobs (rows are padded and masked, each keeps its own positions and seed)."""
+
+import asyncio
+
+import pytest
+
+from closedloop.messages import UserMessage
+from closedloop.models.base import SamplingParams
+from closedloop.models.hf import HFClient
+
+
+@pytest.fixture(scope="module")
+def endless(tiny_model_path):
+    """The tiny model with its end tokens suppressed (a forward hook), so a row runs exactly to
+    ``max_tokens``: the long request below is long whatever the model would say."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    probe = HFClient.from_model(model, tokenizer)
+    eos = sorted(probe._eos_ids)
+
+    def no_end(module, args, out):
+        out.logits[..., eos] = float("-inf")
+        return out
+
+    model.register_forward_hook(no_end)
+    return model, tokenizer
+
+
+async def _alone(model, tokenizer, msgs, params):
+    client = HFClient.from_model(model, tokenizer, batch_wait_ms=0)
+    try:
+        return await client.generate(msgs, None, params)
+    finally:
+        await client.aclose()
+
+
+async def test_a_late_request_joins_the_running_batch_and_returns_first(endless):
+    model, tokenizer = endless
+    client = HFClient.from_model(model, tokenizer, batch_wait_ms=0, max_batch_size=8)
+    long_msgs, short_msgs = [UserMessage(content="Tell me a long story.")], [UserMessage(content="Hi")]
+    long_params = SamplingParams(temperature=1.0, seed=7, max_tokens=400)
+    short_params = SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=5)
+    long_task = asyncio.ensure_future(client.generate(long_msgs, None, long_params))
+    for _ in range(2000):  # until the long request is decoding
+        await asyncio.sleep(0.005)
+        if client.decode_steps >= 10:
+            break
+    assert client.decode_steps >= 10 and not long_task.done()
+    short = await client.generate(short_msgs, None, short_params)
+    assert not long_task.done(), "the late request waited for the running batch to end"
+    assert client.batch_sizes[-2:] == [1, 1]  # admitted on its own, into the running batch
+    stats = client.batch_stats()
+    long = await long_task
+    await client.aclose()
+    assert stats["mean_rows_per_step"] > 1.0  # the two rows really decoded side by side
+    assert len(long.completion_ids) == 400 and long.finish_reason == "length"
+    assert len(short.completion_ids) == 5
+    # Joining changed neither row: each equals the same seeded request decoded alone.
+    for turn, msgs, params in ((long, long_msgs, long_params), (short, short_msgs, short_params)):
+        solo = await _alone(model, tokenizer, msgs, params)
+        assert turn.completion_ids == solo.completion_ids
+        assert max(abs(a - b) for a, b in zip(turn.logprobs, solo.logprobs)) < 1e-4
+
+
+async def test_rows_of_different_lengths_share_steps_and_stay_exact(endless):
+    """Many requests with different prompt lengths and budgets arriving at different times: every
+    result equals its solo decode, and the batch never exceeds ``max_batch_size`` rows."""
+    model, tokenizer = endless
+    client = HFClient.from_model(model, tokenizer, batch_wait_ms=0, max_batch_size=3)
+    prompts = ["a", "What is the weather in Oslo today, please?", "Hello there", "Multiply 6 by 7.", "x y z"]
+    jobs = []
+    for i, p in enumerate(prompts):
+        params = SamplingParams(temperature=1.0, seed=100 + i, max_tokens=8 + 9 * i)
+        jobs.append((p, params, asyncio.ensure_future(client.generate([UserMessage(content=p)], None, params))))
+        await asyncio.sleep(0.01 * i)
+    turns = [await job for _, _, job in jobs]
+    await client.aclose()
+    assert sum(client.batch_sizes) == len(prompts) and max(client.batch_sizes) <= 3
+    assert client.batch_stats()["mean_rows_per_step"] <= 3
+    for (p, params, _), turn in zip(jobs, turns):
+        assert len(turn.completion_ids) == params.max_tokens
+        solo = await _alone(model, tokenizer, [UserMessage(content=p)], params)
+        assert turn.completion_ids == solo.completion_ids
+        assert max(abs(a - b) for a, b in zip(turn.logprobs, solo.logprobs)) < 1e-4
+
+
+async def test_a_pause_lets_running_rows_drain_and_admits_nothing_new(endless):
+    """While a trainer waits in ``paused()``, a request that arrives is not admitted into the
+    running batch; it decodes after the block, on the weights changed inside it."""
+    import torch
+
+    model, tokenizer = endless
+    client = HFClient.from_model(model, tokenizer, batch_wait_ms=0)
+    running = asyncio.ensure_future(client.generate([UserMessage(content="go")], None,
+                                                    SamplingParams(temperature=0, max_tokens=150)))
+    for _ in range(2000):
+        await asyncio.sleep(0.005)
+        if client.decode_steps >= 5:
+            break
+    loop = asyncio.get_running_loop()
+    entered = asyncio.Event()
+    release = asyncio.Event()
+    steps_at_entry: list[int] = []
+
+    def trainer() -> None:
+        with client.paused():
+            steps_at_entry.append(client.decode_steps)
+            loop.call_soon_threadsafe(entered.set)
+            asyncio.run_coroutine_threadsafe(release.wait(), loop).result()
+
+    thread = loop.run_in_executor(None, trainer)
+    await asyncio.sleep(0.05)  # the trainer now waits for the running row
+    late = asyncio.ensure_future(client.generate([UserMessage(content="late")], None,
+                                                 SamplingParams(temperature=0, max_tokens=4)))
+    await entered.wait()
+    assert running.done(), "paused() was entered while a row was still decoding"
+    assert not late.done()
+    await asyncio.sleep(0.1)
+    assert not late.done() and client.decode_steps == steps_at_entry[0], "a row decoded inside paused()"
+    release.set()
+    await thread
+    assert (await late).completion_ids and len((await running).completion_ids) == 150
+    await client.aclose()
+    del torch
