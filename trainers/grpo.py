@@ -126,13 +126,46 @@ def reward_spec(config: GRPOConfig) -> RewardSpec:
                       functions=dict(load_reward_fn(p) for p in config.reward_funcs))
 
 
+def _first_loss_column(mask: torch.Tensor) -> int:
+    """The first column any row trains on (at least 1: column 0 has no logprob)."""
+    cols = mask[:, 1:].bool().any(0).nonzero()
+    return int(cols[0]) + 1 if cols.numel() else mask.shape[1]
+
+
+def policy_logits(model: Any, ids: torch.Tensor, attn: torch.Tensor, start: int) -> torch.Tensor:
+    """Float logits of the positions ``start - 1 .. T - 1`` only: the ones that predict tokens
+    ``start ..``. The LM head (and its backward) then skips the shared context every row starts
+    with, as TRL's ``logits_to_keep``; the hidden states, hence the numbers, are unchanged."""
+    keep = ids.shape[1] - start + 1
+    if keep < ids.shape[1] and _takes_logits_to_keep(model):
+        return model(input_ids=ids, attention_mask=attn, logits_to_keep=keep).logits.float()
+    return model(input_ids=ids, attention_mask=attn).logits.float()[:, start - 1:]
+
+
+def _takes_logits_to_keep(model: Any) -> bool:
+    import inspect
+
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft passes kwargs on
+    try:
+        return "logits_to_keep" in inspect.signature(target.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def policy_logprobs(logits: torch.Tensor, ids: torch.Tensor, start: int, temperature: float) -> torch.Tensor:
+    """``[B, T]`` token logprobs from :func:`policy_logits` (0 before ``start``), aligned with the batch."""
+    logps = token_logprobs(logits, ids[:, start - 1:], temperature)[:, 1:]
+    return torch.cat([logps.new_zeros(logps.size(0), start), logps], dim=1)
+
+
 def sequence_logprobs(model: Any, batch: RolloutBatch, temperature: float, micro: int) -> torch.Tensor:
     """Token logprobs of a whole batch without gradient (old or reference logprobs)."""
     out = []
     with torch.no_grad():
         for i in range(0, len(batch), micro):
             ids, attn = batch.input_ids[i:i + micro], batch.attention_mask[i:i + micro]
-            out.append(token_logprobs(model(input_ids=ids, attention_mask=attn).logits.float(), ids, temperature))
+            start = _first_loss_column(batch.loss_mask[i:i + micro])
+            out.append(policy_logprobs(policy_logits(model, ids, attn, start), ids, start, temperature))
     return torch.cat(out)
 
 
@@ -155,8 +188,9 @@ def grpo_update(model: Any, optimizer: Any, scheduler: Any, batch: RolloutBatch,
     for i in range(0, len(batch), micro):
         sl = slice(i, i + micro)
         ids, attn, mask = batch.input_ids[sl], batch.attention_mask[sl], batch.loss_mask[sl]
-        logits = model(input_ids=ids, attention_mask=attn).logits.float()
-        logps = token_logprobs(logits, ids, config.temperature)
+        start = _first_loss_column(mask)
+        logits = policy_logits(model, ids, attn, start)  # positions start-1 .. T-1
+        logps = policy_logprobs(logits, ids, start, config.temperature)
         loss, m = grpo_loss(logps, old_logps[sl], batch.advantages[sl], mask,
                             ref_logps=None if ref_logps is None else ref_logps[sl], beta=config.beta,
                             epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
@@ -166,7 +200,7 @@ def grpo_update(model: Any, optimizer: Any, scheduler: Any, batch: RolloutBatch,
         scale = 1.0 if config.loss_type == "dapo" else ids.shape[0] / len(batch)
         backward(loss * scale)
         with torch.no_grad():
-            sel = mask[:, 1:].bool()
+            sel = mask[:, start:].bool()
             ent = entropy_from_logits(logits[:, :-1][sel] / config.temperature).sum() if sel.any() else 0.0
         w = float(mask.sum()) / max(total_tokens, 1.0)
         sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * scale
@@ -363,4 +397,4 @@ def run_from_config(config: GRPOConfig) -> GRPOResult:
 
 
 __all__ = ["CONFIG_CLASS", "GRPOConfig", "GRPOResult", "grpo_update", "reward_spec", "run_from_config",
-           "sequence_logprobs", "train_grpo", "LOSS_TYPES"]
+           "policy_logits", "policy_logprobs", "sequence_logprobs", "train_grpo", "LOSS_TYPES"]
