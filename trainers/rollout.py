@@ -58,6 +58,10 @@ class SchemaTools(ToolRegistry):
         return len(self._schemas)
 
 
+#: Compiled policy graphs a :class:`GraphPolicy` keeps across rollout batches.
+_KEPT_GRAPHS = 8
+
+
 @dataclass
 class GraphPolicy:
     """A graph factory plus the model it runs on; ``graph`` names a ``closedloop.graphs`` entry point."""
@@ -67,6 +71,8 @@ class GraphPolicy:
     params: SamplingParams = field(default_factory=SamplingParams)
     options: dict[str, Any] = field(default_factory=dict)
     _factory: Callable[..., Any] | None = field(default=None, init=False, repr=False, compare=False)
+    #: Compiled graphs kept across rollout batches, by tool list (a few: environments rarely vary them).
+    _compiled: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def factory(self) -> Callable[..., Any]:
         # Resolved once: an entry-point lookup scans every installed distribution's metadata
@@ -84,11 +90,17 @@ class GraphPolicy:
                               **self.options)
 
     def shared(self, tools: list[dict[str, Any]], cache: dict[str, Any], *, persistent: bool = True):
-        """The graph the episodes of one rollout batch share for these tools (built on first use;
-        each episode passes its sample seed in its run config)."""
+        """The graph the episodes of one rollout batch share for these tools (each episode passes
+        its sample seed in its run config). Compiled once and kept for later batches (compiling
+        costs about as much as a tiny model's decode step); an episode deletes its checkpointer
+        thread when it ends, so a kept graph holds no episode's state."""
         key = json.dumps([tools, persistent], sort_keys=True, default=str)
         if key not in cache:
-            cache[key] = self.build(tools, persistent=persistent)
+            if key not in self._compiled:
+                if len(self._compiled) >= _KEPT_GRAPHS:
+                    self._compiled.pop(next(iter(self._compiled)))
+                self._compiled[key] = self.build(tools, persistent=persistent)
+            cache[key] = self._compiled[key]
         return cache[key]
 
 
@@ -163,6 +175,9 @@ async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, m
             break
     else:
         truncated = True
+    saver = getattr(graph, "checkpointer", None)
+    if graphs is not None and persistent and hasattr(saver, "adelete_thread"):
+        await saver.adelete_thread(config["configurable"]["thread_id"])  # the shared graph keeps no episode
     traj = Trajectory(messages=messages, turns=turns, rewards=totals,
                       step_rewards=[sum(r.values()) if r else None for r in turn_rewards],
                       metadata={"seed": seed, "sample_seed": sample_seed, "steps": steps, "terminated": terminated,
