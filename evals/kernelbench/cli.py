@@ -31,6 +31,9 @@ def register(bench: argparse._SubParsersAction) -> None:
     k.add_argument("--candidates", metavar="DIR", help="evaluate candidate files instead of running an agent "
                                                        "(level_<L>_problem_<P>_sample_<S>_kernel.py or <id>_<Name>.py)")
     k.add_argument("--samples", type=int, default=1, help="samples per problem (pass@k)")
+    k.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature of the agent (default: the graph's, greedy); pass@k with k > 1 needs > 0")
+    k.add_argument("--sampling-seed", type=int, default=0, help="sample i of a problem samples with seed S + i")
     k.add_argument("--concurrency", type=int, default=2, help="samples in flight (builds run in parallel; timing is serial)")
     k.add_argument("--scale", type=float, default=1.0, help="scale module-level size constants (e.g. 0.015625 = 1/64)")
     k.add_argument("--policy", choices=["strict", "lenient", "off"], default="strict")
@@ -89,9 +92,19 @@ async def _run(args: argparse.Namespace) -> int:
         name=name, problems_dir=str(args.problems), problems_sha=sha, level=args.level, backend=args.backend,
         scale=args.scale, policy=args.policy, agent=args.agent, model=args.model, rounds=args.rounds,
         candidates_dir=args.candidates, samples=args.samples, concurrency=args.concurrency,
+        temperature=args.temperature, sampling_seed=args.sampling_seed,
         item_timeout_s=args.item_timeout, trials=args.trials, atol=args.tolerance, rtol=args.tolerance,
         iters=args.iters, compile_reference=args.compile_reference, cache_dir=args.cache_dir)
-    agent = graph_agent(args.agent, args.model, backend=args.backend, rounds=args.rounds) if args.agent else None
+    params = None
+    if args.temperature is not None:
+        from closedloop.graphs.kernel import KERNEL_PARAMS
+
+        params = KERNEL_PARAMS.model_copy(update={"temperature": args.temperature})
+    if args.agent and args.samples > 1 and not args.temperature:
+        err.print(f"[yellow]note[/]: {args.samples} samples per problem with greedy decoding are identical; "
+                  "give --temperature > 0 for pass@k")
+    agent = graph_agent(args.agent, args.model, backend=args.backend, rounds=args.rounds, params=params,
+                        sampling_seed=args.sampling_seed) if args.agent else None
     store = RunStore(args.store) if args.store else RunStore()
     progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("correct {task.fields[correct]}"), TimeElapsedColumn(), console=err)

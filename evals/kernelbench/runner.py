@@ -51,6 +51,10 @@ class KernelBenchSettings(BaseModel):
     agent: str | None = None
     model: str | None = None
     rounds: int | None = None
+    #: Sampling temperature of the agent's model calls (None: the graph's default, greedy for ours).
+    temperature: float | None = None
+    #: Sample ``i`` of a problem runs with sampling seed ``sampling_seed + i`` (distinct samples for pass@k).
+    sampling_seed: int = 0
     candidates_dir: str | None = None
     samples: int = Field(1, ge=1)
     concurrency: int = Field(1, ge=1)
@@ -113,13 +117,19 @@ def candidate_file(root: str | Path, problem: Problem, sample_id: int) -> Path |
 AgentRunner = Callable[[Problem, int, KernelEvaluator], Any]  # async -> (code | None, Trajectory | None)
 
 
-def graph_agent(agent: str, model: Any, *, backend: str = "cpu", rounds: int | None = None) -> AgentRunner:
+def graph_agent(agent: str, model: Any, *, backend: str = "cpu", rounds: int | None = None,
+                params: Any = None, sampling_seed: int | None = 0) -> AgentRunner:
     """Runs the registered graph ``agent`` with ``model`` (a spec or a ``ModelClient``) on a problem,
-    with ``evaluate_kernel``/``profile_kernel`` bound to it; returns (final code, trajectory)."""
+    with ``evaluate_kernel``/``profile_kernel`` bound to it; returns (final code, trajectory).
+
+    ``params`` (``SamplingParams``) replace the graph's default sampling; sample ``i`` of a
+    problem runs with seed ``sampling_seed + i`` (through the run config, as rollouts do), so the
+    K samples of pass@k are distinct draws and a rerun draws the same ones."""
     from closedloop.evals.kernelbench.tools import make_kernel_tools
     from closedloop.models import make_client
     from closedloop.plugins import load
     from closedloop.runtime.convert import as_closedloop
+    from closedloop.runtime.nodes import SAMPLING_SEED
 
     factory = load("closedloop.graphs", agent)
     client = make_client(model) if isinstance(model, str) else model
@@ -129,8 +139,13 @@ def graph_agent(agent: str, model: Any, *, backend: str = "cpu", rounds: int | N
         kwargs: dict[str, Any] = {"backend": backend}
         if rounds is not None:
             kwargs["rounds"] = rounds
+        if params is not None:
+            kwargs["params"] = params
         graph = factory(client, tools, **kwargs)
-        state = await graph.ainvoke({"problem": problem.code}, config={"recursion_limit": 200})
+        config: dict[str, Any] = {"recursion_limit": 200}
+        if sampling_seed is not None:
+            config["configurable"] = {SAMPLING_SEED: sampling_seed + sample_id}
+        state = await graph.ainvoke({"problem": problem.code}, config=config)
         traj = Trajectory(messages=as_closedloop(state.get("messages", [])), turns=list(state.get("turns", [])),
                           metadata={"agent": agent, "problem": problem.key, "sample": sample_id})
         return state.get("final_code"), traj

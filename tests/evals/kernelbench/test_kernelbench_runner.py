@@ -86,3 +86,28 @@ def test_kernel_graph_with_a_scripted_model(relu_result, kb_cache, problems, tmp
     child = store.list_runs(limit=None, parent_id=runner.parent_id)[0]
     run = store.get_run(child.id)
     assert run.messages and "ModelNew" in (child.outcome or {}).get("code", "")
+
+
+def test_samples_of_a_problem_are_distinct_seeded_draws(relu_result, kb_cache, problems, tmp_path):
+    """pass@k needs K different draws: sample i runs with seed sampling_seed + i and the given
+    temperature (a greedy graph default would make every sample the same)."""
+    pytest.importorskip("closedloop.graphs.kernel")
+    from closedloop.graphs.kernel import KERNEL_PARAMS
+
+    seen: list[tuple[int | None, float]] = []
+
+    class Recording(ScriptedClient):
+        async def generate(self, messages, tools=None, params=None, tool_choice=None):
+            seen.append((params.seed, params.temperature))
+            return await super().generate(messages, tools, params, tool_choice)
+
+    reply = AssistantMessage(content=f"Here is the kernel.\n```python\n{RELU_OK}```")
+    settings = KernelBenchSettings(name="draws", agent="kernel", model="scripted:relu", rounds=1, scale=0.25,
+                                   trials=2, iters=3, cache_dir=str(kb_cache), concurrency=1, samples=3,
+                                   temperature=0.8, sampling_seed=100)
+    agent = graph_agent("kernel", Recording([reply], cycle=True), rounds=1,
+                        params=KERNEL_PARAMS.model_copy(update={"temperature": 0.8}), sampling_seed=100)
+    report = asyncio.run(KernelBenchRunner(settings, [problems[1]], RunStore(tmp_path / "r.duckdb"),
+                                           agent=agent).run())
+    assert report.outcomes == {"graded": 3}
+    assert sorted({s for s, _ in seen}) == [100, 101, 102] and {t for _, t in seen} == {0.8}
