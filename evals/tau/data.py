@@ -78,6 +78,8 @@ class DomainData:
     _user_db_raw: dict | None = field(default=None, repr=False)
     _db_sha: str | None = field(default=None, repr=False)
     _policy_cache: str | None = field(default=None, repr=False)
+    _pristine: TauDB | None = field(default=None, repr=False)  # shared, never written (see make_environment)
+    _pristine_hash: str | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -116,13 +118,36 @@ class DomainData:
         return (str(self.folder.resolve()), self._db_sha)
 
     def make_environment(self) -> Environment:
-        """A fresh environment on the pristine DB (each call parses its own copy)."""
-        db = self._load_db(self.domain.db_model, "db", "_db_raw")
-        user_db = None
-        if self.domain.user_db_model is not None:
-            user_db = self._load_db(self.domain.user_db_model, "user_db", "_user_db_raw")
-        return Environment(self.domain, db, user_db=user_db, policy=self._policy_text(), options=self.options,
-                           descriptions=self.descriptions or None, user_descriptions=self.user_descriptions or None)
+        """A fresh environment on the pristine DB.
+
+        A JSON DB of a single-DB domain is validated once and shared by every environment until
+        that environment first writes (a mutating tool, an init action, an assertion, ``env.db``):
+        then it gets its own copy, validated anew from the parsed file. Most episodes and every
+        read-only replay never pay for a copy, which is the larger part of the CPU an episode
+        costs on the retail DB. Other DBs (TOML, dual control) are parsed per environment."""
+        path = _find(self.folder, ("db",))
+        shareable = (path is not None and path.suffix == ".json" and self.domain.user_db_model is None
+                     and getattr(self.domain, "sync_tools", None) is None)
+        if not shareable:
+            db = self._load_db(self.domain.db_model, "db", "_db_raw")
+            user_db = None
+            if self.domain.user_db_model is not None:
+                user_db = self._load_db(self.domain.user_db_model, "user_db", "_user_db_raw")
+            return Environment(self.domain, db, user_db=user_db, policy=self._policy_text(), options=self.options,
+                               descriptions=self.descriptions or None,
+                               user_descriptions=self.user_descriptions or None)
+        if self._pristine is None:
+            self._pristine = self._load_db(self.domain.db_model, "db", "_db_raw")
+        return Environment(self.domain, self._pristine, policy=self._policy_text(), options=self.options,
+                           descriptions=self.descriptions or None, user_descriptions=self.user_descriptions or None,
+                           copy_db=lambda: self._load_db(self.domain.db_model, "db", "_db_raw"),
+                           shared_hash=self._shared_hash)
+
+    def _shared_hash(self) -> str:
+        if self._pristine_hash is None:
+            assert self._pristine is not None
+            self._pristine_hash = self._pristine.get_hash()
+        return self._pristine_hash
 
     def _policy_text(self) -> str:
         if self._policy_cache is None:

@@ -28,11 +28,23 @@ def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 
 class Environment:
-    """Tools bound to a DB (and, for dual-control domains, user tools bound to a user DB)."""
+    """Tools bound to a DB (and, for dual-control domains, user tools bound to a user DB).
+
+    With ``copy_db``, ``db`` is a pristine instance shared with other environments: it is only
+    read until the first write (a mutating tool, a toolkit function, new initialization data,
+    ``.db`` itself), which first swaps in a private copy from ``copy_db()``; until then
+    ``shared_hash()`` gives its hash. Tools read ``toolkit.db`` on every call, so the swap needs
+    no rebinding. Only tools marked ``mutates`` may change state: a read tool that wrote would
+    change every environment sharing the instance.
+    """
 
     def __init__(self, domain: Domain, db: TauDB, *, user_db: TauDB | None = None, policy: str = "",
                  options: dict[str, Any] | None = None, descriptions: dict[str, str] | None = None,
-                 user_descriptions: dict[str, str] | None = None) -> None:
+                 user_descriptions: dict[str, str] | None = None,
+                 copy_db: Callable[[], TauDB] | None = None, shared_hash: Callable[[], str] | None = None) -> None:
+        if copy_db is not None and (user_db is not None or shared_hash is None):
+            raise ValueError("a shared DB needs shared_hash and no user DB")
+        self._copy_db, self._shared_hash = copy_db, shared_hash
         self.domain = domain
         self.policy = policy
         self.options: dict[str, Any] = dict(options or {})
@@ -50,8 +62,15 @@ class Environment:
 
     # ------------------------------------------------------------------ state
 
+    def _own(self) -> None:
+        """Before a write: a private copy in place of the shared pristine DB."""
+        if self._copy_db is not None:
+            copy_db, self._copy_db, self._shared_hash = self._copy_db, None, None
+            self.toolkit.db = copy_db()
+
     @property
     def db(self) -> TauDB:
+        self._own()  # the caller may write through it
         return self.toolkit.db
 
     @property
@@ -59,6 +78,8 @@ class Environment:
         return self.user_toolkit.db if self.user_toolkit is not None else None
 
     def get_db_hash(self) -> str:
+        if self._shared_hash is not None:
+            return self._shared_hash()
         return self.toolkit.db.get_hash()
 
     def get_user_db_hash(self) -> str | None:
@@ -71,6 +92,7 @@ class Environment:
         data = initial_state.initialization_data
         if data is not None and data.agent_data:
             self._replace_db(self.toolkit, _deep_merge(self.toolkit.db.model_dump(), data.agent_data))
+            self._copy_db = self._shared_hash = None  # the toolkit now holds a DB of its own
         if data is not None and data.user_data:
             if self.user_toolkit is None:
                 raise ValueError(f"task sets user_data but domain {self.domain.name!r} has no user DB")
@@ -116,6 +138,8 @@ class Environment:
             result = ToolResult(call.name, f"Error: {msg}", msg, "unknown_tool")
         else:
             tool = registry.get(call.name)
+            if requestor != "assistant" or tool.mutates:  # type: ignore[attr-defined]
+                self._own()
             arguments: Any = call.function.arguments
             if self.options.get("json_string_args"):
                 arguments = decode_json_string_args(tool, arguments)
@@ -129,12 +153,15 @@ class Environment:
         kit = self._kit(requestor)
         if name not in kit.tools:
             raise KeyError(f"Tool '{name}' not found.")
+        if requestor != "assistant" or kit.is_mutating(name):
+            self._own()
         value = kit.tools.get(name).fn(**arguments)  # raw kwargs, as tau2 calls its tools
         self.sync_tools()
         return value
 
     def call_function(self, call: EnvFunctionCall) -> Any:
         """A toolkit function (tool or assertion helper) by name; raises on error."""
+        self._own()  # init actions write; assertions are not marked, so they are treated alike
         kit = self._kit(call.env_type)
         value = kit.function(call.func_name)(**call.arguments)
         self.sync_tools()

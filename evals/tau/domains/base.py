@@ -145,6 +145,7 @@ class TauTool(Tool):
     """
 
     _schema_cache: ClassVar[dict[Any, tuple[str, type[BaseModel]]]] = {}
+    _parameters_cache: ClassVar[dict[type[BaseModel], str]] = {}  # JSON schema text per arguments model
 
     def __init__(self, fn: Callable[..., Any], *, mutates: bool, kind: str, doc: str | None = None) -> None:
         self.fn = fn
@@ -180,7 +181,14 @@ class TauTool(Tool):
 
     @property
     def parameters(self) -> dict[str, Any]:
-        return self.args_model.model_json_schema()
+        """The arguments' JSON schema. pydantic builds it in about a millisecond and an agent
+        asks for every tool's on every episode, so the text is kept per arguments model (each
+        caller gets its own dict)."""
+        text = self._parameters_cache.get(self.args_model)
+        if text is None:
+            text = json.dumps(self.args_model.model_json_schema())
+            self._parameters_cache[self.args_model] = text
+        return json.loads(text)
 
     @property
     def schema(self) -> dict[str, Any]:
