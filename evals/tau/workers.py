@@ -4,8 +4,9 @@ Grading is CPU-bound: it builds a fresh environment (validating the whole DB), r
 episode's writes and the gold actions, and hashes two databases, hundreds of ms on the retail
 DB. On the runner's event loop, or in its threads, that holds the GIL and throughput stops
 growing with concurrency. :class:`GradingPool` runs :func:`~closedloop.evals.tau.evaluator.grade`
-in processes instead; each worker loads the domain once (DB parsed once, gold states cached per
-worker). The judge (an async model client) stays in the caller's process: it is asked first and
+in processes instead; each worker loads the domain once (DB parsed once). Gold states (they
+depend only on the data and the task) are shared between the runner and its workers: the runner
+sends the one it knows with the episode and keeps the one a worker computed. The judge (an async model client) stays in the caller's process: it is asked first and
 its verdict travels to the worker with the episode.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 
 from closedloop.evals.tau.data_model import Task
 from closedloop.evals.tau.evaluator import grade, needs_judge
+from closedloop.evals.tau.evaluator.db_check import cache_gold, cached_gold, gold_cache_key
 from closedloop.evals.tau.evaluator.nl_assertions import NLResult, check_nl_assertions
 from closedloop.evals.tau.simulation import GRADED_TERMINATIONS, RewardInfo, SimulationRun
 from closedloop.models.base import ModelClient
@@ -46,11 +48,16 @@ def _init(domain: str, data_dir: str, options: dict[str, Any]) -> None:
 
 
 def _grade_in_worker(sim_json: str, task_json: str, task_sha: str | None, nl: NLResult | None,
-                     options: dict[str, Any]) -> str:
+                     options: dict[str, Any], gold: tuple | None = None) -> tuple[str, tuple | None]:
+    """(RewardInfo JSON, the task's gold state as this worker now knows it)."""
     sim = SimulationRun.model_validate_json(sim_json)
     task = Task.model_validate_json(task_json)
     task._source_sha256 = task_sha
-    return grade(sim, task, _WORKER_DATA.make_environment, nl=nl, **options).model_dump_json()
+    key = gold_cache_key(task, _WORKER_DATA.cache_key)
+    if gold is not None:
+        cache_gold(key, gold)
+    info = grade(sim, task, _WORKER_DATA.make_environment, nl=nl, **options)
+    return info.model_dump_json(), cached_gold(key)
 
 
 class GradingPool:
@@ -58,10 +65,11 @@ class GradingPool:
     :func:`~closedloop.evals.tau.evaluator.evaluate`, computed in a worker process."""
 
     def __init__(self, domain: str, data_dir: str, workers: int, *, options: dict[str, Any] | None = None,
-                 grade_options: dict[str, Any] | None = None) -> None:
+                 grade_options: dict[str, Any] | None = None, data_key: Any = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self.workers = workers
+        self.data_key = data_key  # the data's cache_key: gold states are shared with this process
         self.grade_options = dict(grade_options or {})
         self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_init, initargs=(domain, str(data_dir), dict(options or {})))
@@ -69,7 +77,8 @@ class GradingPool:
     @classmethod
     def for_data(cls, data: Any, workers: int, **kw: Any) -> "GradingPool":
         """From a :class:`~closedloop.evals.tau.data.DomainData` (its folder is ``<root>/tau2/domains/<name>``)."""
-        return cls(data.name, str(data.folder.parents[2]), workers, options=data.options, **kw)
+        return cls(data.name, str(data.folder.parents[2]), workers, options=data.options,
+                   data_key=getattr(data, "cache_key", None), **kw)
 
     async def grade(self, sim: SimulationRun, task: Task, judge: ModelClient | None = None) -> RewardInfo:
         nl = None
@@ -77,8 +86,12 @@ class GradingPool:
             nl = await check_nl_assertions(sim.messages, task.evaluation_criteria.nl_assertions,  # type: ignore[union-attr]
                                            judge)
         loop = asyncio.get_running_loop()
-        out = await loop.run_in_executor(self._executor, _grade_in_worker, sim.model_dump_json(),
-                                         task.model_dump_json(), task.source_sha256, nl, self.grade_options)
+        key = gold_cache_key(task, self.data_key)
+        out, gold = await loop.run_in_executor(self._executor, _grade_in_worker, sim.model_dump_json(),
+                                               task.model_dump_json(), task.source_sha256, nl, self.grade_options,
+                                               cached_gold(key))
+        if gold is not None:
+            cache_gold(key, gold)
         return RewardInfo.model_validate_json(out)
 
     def close(self) -> None:

@@ -81,26 +81,48 @@ def _factory_key(factory: EnvironmentFactory) -> Any:
     return key
 
 
-def _gold_state(task: Task, environment_factory: EnvironmentFactory) -> tuple[str, str | None, list[dict[str, Any]]]:
-    data_key = _factory_key(environment_factory)
-    key = None
-    if data_key is not None:
-        actions = task.evaluation_criteria.actions if task.evaluation_criteria else None
-        criteria = json.dumps([a.model_dump(mode="json") for a in actions or []])  # the basis does not matter
-        initial = task.initial_state.model_dump_json() if task.initial_state else ""
-        key = (data_key, task.id, criteria, initial)
-        if key in _GOLD_CACHE:
-            _GOLD_CACHE.move_to_end(key)
-            gold_hash, user_hash, failures = _GOLD_CACHE[key]
-            return gold_hash, user_hash, json.loads(json.dumps(failures))
+def gold_cache_key(task: Task, data_key: Any) -> tuple | None:
+    """The key of a task's gold state for data named ``data_key`` (a ``cache_key``); equal in
+    every process that loads the same data, so a runner and its grading workers share states."""
+    if data_key is None:
+        return None
+    actions = task.evaluation_criteria.actions if task.evaluation_criteria else None
+    criteria = json.dumps([a.model_dump(mode="json") for a in actions or []])  # the basis does not matter
+    initial = task.initial_state.model_dump_json() if task.initial_state else ""
+    return (data_key, task.id, criteria, initial)
+
+
+GoldState = tuple  # (db hash, user db hash or None, gold failures)
+
+
+def cached_gold(key: tuple | None) -> GoldState | None:
+    """A copy of the cached gold state for ``key``, if any."""
+    if key is None or key not in _GOLD_CACHE:
+        return None
+    _GOLD_CACHE.move_to_end(key)
+    gold_hash, user_hash, failures = _GOLD_CACHE[key]
+    return gold_hash, user_hash, json.loads(json.dumps(failures))
+
+
+def cache_gold(key: tuple | None, state: GoldState) -> None:
+    if key is None:
+        return
+    _GOLD_CACHE[key] = (state[0], state[1], json.loads(json.dumps(state[2])))
+    _GOLD_CACHE.move_to_end(key)
+    if len(_GOLD_CACHE) > _GOLD_CACHE_SIZE:
+        _GOLD_CACHE.popitem(last=False)
+
+
+def _gold_state(task: Task, environment_factory: EnvironmentFactory) -> GoldState:
+    key = gold_cache_key(task, _factory_key(environment_factory))
+    hit = cached_gold(key)
+    if hit is not None:
+        return hit
     gold = environment_factory()
     gold.apply_initial_state(task.initial_state)
     failures = replay_gold(gold, task)
     result = (gold.get_db_hash(), gold.get_user_db_hash(), failures)
-    if key is not None:
-        _GOLD_CACHE[key] = result
-        if len(_GOLD_CACHE) > _GOLD_CACHE_SIZE:
-            _GOLD_CACHE.popitem(last=False)
+    cache_gold(key, result)
     return result
 
 
