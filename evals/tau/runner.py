@@ -203,7 +203,7 @@ class TauRunner:
         self.parent_id: str | None = None
         self._seeds = settings.seeds
         self._ran = 0
-        self._pool: Any = None  # GradingPool, started on the first grade when settings ask for workers
+        self._pool: Any = None  # GradingPool, started with the first episode when settings ask for workers
 
     # ------------------------------------------------------------------ the parent run
 
@@ -271,15 +271,24 @@ class TauRunner:
             sim.error = f"grading failed: {type(e).__name__}: {e}"
         return sim
 
-    async def _grade(self, sim: SimulationRun, task: Task) -> Any:
+    def _workers(self) -> int:
         workers = self.settings.workers
         if workers is None:
             from closedloop.evals.tau.workers import default_workers
             workers = default_workers(self.settings.concurrency)
-        if workers > 0:  # in processes (closedloop.evals.tau.workers): grading no longer holds this GIL
-            if self._pool is None:
-                from closedloop.evals.tau.workers import GradingPool
-                self._pool = GradingPool.for_data(self.data, workers)
+        return workers
+
+    def _start_pool(self) -> None:
+        """Start the grading processes before the first episode: their start-up (interpreter,
+        imports, DB) then overlaps the first episodes' model calls instead of delaying their grades."""
+        if self._pool is None and self._workers() > 0:
+            from closedloop.evals.tau.workers import GradingPool
+            self._pool = GradingPool.for_data(self.data, self._workers())
+            self._pool.start()
+
+    async def _grade(self, sim: SimulationRun, task: Task) -> Any:
+        if self._workers() > 0:  # in processes (closedloop.evals.tau.workers): grading no longer holds this GIL
+            self._start_pool()
             return await self._pool.grade(sim, task, self.judge)
         return await self._grade_here(sim, task)
 
@@ -341,6 +350,8 @@ class TauRunner:
 
         batch = BatchRunner(lambda item: self._episode(*item), self._record, concurrency=s.concurrency,
                             after_write=after_write)
+        if queue:
+            self._start_pool()
         try:
             await batch.run(queue)
         except BaseException as exc:

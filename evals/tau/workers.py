@@ -47,6 +47,10 @@ def _init(domain: str, data_dir: str, options: dict[str, Any]) -> None:
     _WORKER_DATA.make_environment()  # parse the DB now, not in the first episode's grading
 
 
+def _ready() -> bool:
+    return _WORKER_DATA is not None
+
+
 def _grade_in_worker(sim_json: str, task_json: str, task_sha: str | None, nl: NLResult | None,
                      options: dict[str, Any], gold: tuple | None = None) -> tuple[str, tuple | None]:
     """(RewardInfo JSON, the task's gold state as this worker now knows it)."""
@@ -93,6 +97,11 @@ class GradingPool:
         if gold is not None:
             cache_gold(key, gold)
         return RewardInfo.model_validate_json(out)
+
+    def start(self) -> None:
+        """Spawn every worker now (each loads the domain in its initializer) without waiting."""
+        for _ in range(self.workers):
+            self._executor.submit(_ready)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
