@@ -52,6 +52,9 @@ class FactGuardOptions(EnvOptions):
     asr: str | None = Field(None, description="hf:<speech model> that transcribes videos without a transcript")
     evidence_in_prompt: bool = Field(False, description="put FactProbe's report on the claim in the first message "
                                                        "and offer no tools (a one-stage variant for small models)")
+    expert_unsettled_fake: float = Field(
+        0.0, ge=0, le=1, description="probability that the scripted teacher answers 'fake' when the evidence does "
+                                     "not settle the claim (drawn per episode seed; 0: always 'real')")
 
 
 @functools.lru_cache(maxsize=8)
@@ -171,7 +174,8 @@ class FactGuardEnv(BuiltinEnv):
 
     def expert_action(self) -> AssistantMessage:
         """A teacher: search the claim once; answer from a decisive report, else "real" (flagging
-        needs evidence). Trajectories of it are SFT data."""
+        needs evidence), or "fake" with probability ``expert_unsettled_fake``. Trajectories of it are
+        SFT data."""
         assert self.sample is not None
         reports = [m.content for m in self.messages if isinstance(m, ToolMessage) and isinstance(m.content, str)]
         if self.options.evidence_in_prompt:  # type: ignore[attr-defined]
@@ -188,7 +192,13 @@ class FactGuardEnv(BuiltinEnv):
         elif claim and f"confirmed: {claim}" in text:
             label, why = "real", "a report confirms it"
         else:
-            label, why = "real", "no report on this claim"
+            # An unsettled claim: "real" (flagging needs evidence), or, with expert_unsettled_fake = p, a
+            # calibrated teacher that says "fake" with probability p, so that a policy imitating it stays
+            # uncertain exactly where the risk weights should decide (seeded by the episode, so several
+            # passes over the data give one sample both answers).
+            p = self.options.expert_unsettled_fake  # type: ignore[attr-defined]
+            fake = p > 0 and random.Random(f"factguard-expert-{self.seed}").random() < p
+            label, why = ("fake" if fake else "real"), "no report on this claim"
         return AssistantMessage(content=f"<think>{why}</think><answer>{label}</answer>")
 
     def close(self) -> None:

@@ -121,6 +121,37 @@ def test_environment_episode_with_the_teacher(data):
             assert info["success"] == 1.0 and total == pytest.approx(1.0 + 0.5 + 0.2)
 
 
+def test_calibrated_teacher_is_uncertain_only_where_the_evidence_does_not_settle_the_claim(data):
+    """expert_unsettled_fake = p: on an unsettled claim the teacher says "fake" with probability p
+    (per episode seed, so passes over the data disagree); settled claims are still read right, and
+    the default teacher says "real" whenever nothing settles the claim."""
+    samples = load_samples(data)
+    opts = dict(data_dir=str(data), split="all", evidence_in_prompt=True, max_turns=1, search_k=1)
+
+    def answers(env, passes):
+        out = []
+        for seed in range(len(samples) * passes):
+            msgs, _ = asyncio.run(env.areset(seed))
+            report, claim = msgs[-1].text.lower(), samples[seed % len(samples)].claim.lower()
+            settled = f"false: {claim}" in report or f"confirmed: {claim}" in report
+            _, _, _, _, info = asyncio.run(env.astep(env.expert_action()))
+            out.append((seed % len(samples), settled, info["predicted"], info["label"]))
+        return out
+
+    calibrated = answers(FactGuardEnv(**opts, expert_unsettled_fake=0.5), passes=8)
+    assert {s for _, s, _, _ in calibrated} == {True, False}  # the fixture has both kinds
+    assert all(p == y for _, settled, p, y in calibrated if settled)
+    unsettled = [(i, p) for i, settled, p, _ in calibrated if not settled]
+    assert 0.3 < sum(p == "fake" for _, p in unsettled) / len(unsettled) < 0.7
+    assert any(len({p for j, p in unsettled if j == i}) == 2 for i, _ in unsettled)  # one sample, both answers
+    again = answers(FactGuardEnv(**opts, expert_unsettled_fake=0.5), passes=8)
+    assert again == calibrated  # seeded by the episode
+    default = answers(FactGuardEnv(**opts), passes=1)
+    assert all(p == "real" for _, settled, p, _ in default if not settled)
+    with pytest.raises(ValueError):
+        FactGuardEnv(**opts, expert_unsettled_fake=1.5)
+
+
 def test_clipscout_once_per_episode_and_frames_for_a_vision_model(data):
     env = FactGuardEnv(data_dir=str(data), split="all", vision=True)
 
