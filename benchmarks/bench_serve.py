@@ -117,8 +117,52 @@ async def answerable(url: str, model: str, prompts: list[str], max_tokens: int, 
     return ok
 
 
+async def run_level_http(url: str, concurrency: int, n_requests: int, max_tokens: int, seed: int,
+                         model: str = "tiny", prompts: list[str] = PROMPTS) -> Level:
+    """The plain client: one ``httpx.AsyncClient`` posting minimal chat-completion bodies (no
+    logprobs, no token ids), so the client process costs little and both servers get identical
+    requests. What a load generator does; the ``closedloop`` client below is the full stack."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    next_i = 0
+    latencies: list[float] = []
+    tokens = 0
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        async def worker() -> None:
+            nonlocal next_i, tokens
+            while next_i < n_requests:
+                i = next_i
+                next_i += 1
+                body = {"model": model, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+                        "max_tokens": max_tokens, "temperature": 0.0, "seed": seed}
+                t0 = time.perf_counter()
+                r = await http.post("/chat/completions", json=body)
+                r.raise_for_status()
+                latencies.append(time.perf_counter() - t0)
+                tokens += r.json()["usage"]["completion_tokens"]
+
+        before = batch_stats(url)
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+        after = batch_stats(url)
+    return _level(concurrency, n_requests, wall, tokens, latencies, before, after)
+
+
+def _level(concurrency: int, n_requests: int, wall: float, tokens: int, latencies: list[float],
+           before: dict | None, after: dict | None) -> Level:
+    mean_batch = mean_rows = None
+    if before and after and after["batches"] > before["batches"]:
+        mean_batch = (after["requests"] - before["requests"]) / (after["batches"] - before["batches"])
+    if before and after and after.get("decode_steps", 0) > before.get("decode_steps", 0):
+        steps = after["decode_steps"] - before["decode_steps"]
+        rows = after["mean_rows_per_step"] * after["decode_steps"] - before["mean_rows_per_step"] * before["decode_steps"]
+        mean_rows = rows / steps
+    return Level(concurrency, n_requests, wall, tokens, latencies, mean_batch, mean_rows)
+
+
 async def run_level(url: str, concurrency: int, n_requests: int, max_tokens: int, seed: int,
                     model: str = "tiny", prompts: list[str] = PROMPTS) -> Level:
+    """Our ``openai:`` client (token ids and logprobs requested, as a trainer would)."""
     client = OpenAIClient(model, base_url=url, concurrency=concurrency, timeout_s=600)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=seed)
     next_i = 0
@@ -140,14 +184,7 @@ async def run_level(url: str, concurrency: int, n_requests: int, max_tokens: int
     wall = time.perf_counter() - start
     after = batch_stats(url)
     await client.aclose()
-    mean_batch = mean_rows = None
-    if before and after and after["batches"] > before["batches"]:
-        mean_batch = (after["requests"] - before["requests"]) / (after["batches"] - before["batches"])
-    if before and after and after.get("decode_steps", 0) > before.get("decode_steps", 0):
-        steps = after["decode_steps"] - before["decode_steps"]
-        rows = after["mean_rows_per_step"] * after["decode_steps"] - before["mean_rows_per_step"] * before["decode_steps"]
-        mean_rows = rows / steps
-    return Level(concurrency, n_requests, wall, tokens, latencies, mean_batch, mean_rows)
+    return _level(concurrency, n_requests, wall, tokens, latencies, before, after)
 
 
 def batch_stats(url: str) -> dict | None:
@@ -183,8 +220,9 @@ def report(levels: list[Level], console: Console, title: str, peer: list[Level] 
 
 
 def measure(url: str, args: argparse.Namespace, model: str, prompts: list[str]) -> list[Level]:
-    asyncio.run(run_level(url, 1, 2, args.max_tokens, args.seed, model, prompts))  # warm-up: first-call costs
-    return [asyncio.run(run_level(url, c, args.requests, args.max_tokens, args.seed, model, prompts))
+    level = run_level_http if args.client == "http" else run_level
+    asyncio.run(level(url, 1, 2, args.max_tokens, args.seed, model, prompts))  # warm-up: first-call costs
+    return [asyncio.run(level(url, c, args.requests, args.max_tokens, args.seed, model, prompts))
             for c in args.concurrency]
 
 
@@ -209,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=1, help="server's torch threads (0: torch default)")
     ap.add_argument("--peer", choices=["transformers", "none"], default="transformers",
                     help="the peer server measured in the same run (transformers serve --continuous-batching)")
+    ap.add_argument("--client", choices=["http", "closedloop"], default="http",
+                    help="load generator: plain httpx requests (default), or our openai: client asking for token "
+                         "ids and logprobs (heavier: on a small machine it can be the bottleneck for both servers)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
     console = Console(width=max(Console().width, 110))
@@ -249,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp.cleanup()
     report(levels, console, f"closedloop serve, hf:{model.name}, max_tokens={args.max_tokens}, temperature=0, "
                             f"max batch {args.max_batch_size}, torch threads {args.torch_threads or 'default'}, "
-                            f"{os.cpu_count()} CPUs" + ("; peer: transformers serve --continuous-batching"
+                            f"{os.cpu_count()} CPUs, {args.client} client" + ("; peer: transformers serve --continuous-batching"
                                                          if peer else ""), peer)
     if args.json:
         rows = lambda lvs: [{**asdict(lv), "rps": lv.rps, "tps": lv.tps} for lv in lvs or []]  # noqa: E731

@@ -16,6 +16,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="hf: most requests decoded together (the backend's default when unset)")
+    p.add_argument("--batch-wait-ms", type=float, default=0.0,
+                   help="hf: how long an idle decoder waits for more requests before it starts (default 0: a "
+                        "server's requests arrive independently, and any that arrive later join the running "
+                        "batch at its next token)")
     p.add_argument("--device", default=None, help="hf: torch device, e.g. cuda or cpu (default: cpu)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="hf: torch intra-op threads; 1 avoids OpenMP oversubscription on a shared CPU")
@@ -52,6 +56,10 @@ def handle(args: argparse.Namespace) -> int:
                 print("error: --max-batch-size must be >= 1", file=sys.stderr)
                 return 2
             kwargs["max_batch_size"] = args.max_batch_size
+        if args.batch_wait_ms < 0:
+            print("error: --batch-wait-ms must be >= 0", file=sys.stderr)
+            return 2
+        kwargs["batch_wait_ms"] = args.batch_wait_ms
         if args.device:
             kwargs["device"] = args.device
         if args.torch_threads is not None:
