@@ -277,8 +277,9 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
 
         client = make_rollout_client(config.rollout_model)
     else:
+        # batch_gap_ms: a rollout batch's first requests arrive in one burst; start as soon as it ends
         client = HFClient.from_model(unwrapped, session.tokenizer, name=f"policy:{config.model_path}",
-                                     max_batch_size=config.max_batch_size)
+                                     max_batch_size=config.max_batch_size, batch_gap_ms=1.0)
     from closedloop.trainers.weight_sync import make_weight_sync
 
     sync = make_weight_sync(client, config, accelerator=accel)  # rollout engine <- trainer weights, each step

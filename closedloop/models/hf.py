@@ -157,7 +157,7 @@ class HFClient(ModelClient):
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str = "", max_batch_size: int = 16,
-                 batch_wait_ms: float = 5.0):
+                 batch_wait_ms: float = 5.0, batch_gap_ms: float | None = None):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if batch_wait_ms < 0:
@@ -170,6 +170,11 @@ class HFClient(ModelClient):
         self.spec = f"hf:{self.name}"
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000.0
+        #: With a gap, an idle decoder stops gathering as soon as no request arrived for this long
+        #: (a burst, such as a rollout batch, is over) instead of waiting all of ``batch_wait_ms``.
+        self.batch_gap_s = None if batch_gap_ms is None else batch_gap_ms / 1000.0
+        if batch_gap_ms is not None and batch_gap_ms < 0:
+            raise ValueError("batch_gap_ms must be >= 0")
         #: How many requests each prefill admitted, in order: a group that arrives together (a GRPO
         #: group, concurrent clients) is prefilled together and then decodes beside whatever runs.
         self.batch_sizes: list[int] = []
@@ -227,10 +232,11 @@ class HFClient(ModelClient):
 
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, *, name: str = "", max_batch_size: int = 16,
-                   batch_wait_ms: float = 5.0) -> "HFClient":
+                   batch_wait_ms: float = 5.0, batch_gap_ms: float | None = None) -> "HFClient":
         """Wrap an already-loaded model (e.g. a trainer's live policy): no copy, no reload, so
         generations always use the current weights."""
-        return cls(model, tokenizer, name=name, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms)
+        return cls(model, tokenizer, name=name, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
+                   batch_gap_ms=batch_gap_ms)
 
     def _stop_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -446,6 +452,8 @@ class HFClient(ModelClient):
         deadline = time.perf_counter() + self.batch_wait_s
         while len(batch) < room:
             remaining = deadline - time.perf_counter()
+            if self.batch_gap_s is not None:
+                remaining = min(remaining, self.batch_gap_s)
             try:
                 item = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
             except queue.Empty:

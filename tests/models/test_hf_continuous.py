@@ -126,3 +126,23 @@ async def test_a_pause_lets_running_rows_drain_and_admits_nothing_new(endless):
     assert (await late).completion_ids and len((await running).completion_ids) == 150
     await client.aclose()
     del torch
+
+
+async def test_a_gap_ends_the_idle_gather_once_a_burst_is_over(tiny_model_path):
+    """With ``batch_gap_ms``, an idle decoder gathers a burst (one admission for a group sent
+    together) but does not sit out the whole ``batch_wait_ms`` after it: a lone request is
+    answered although the wait is a minute."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    client = HFClient.from_model(model, AutoTokenizer.from_pretrained(tiny_model_path), batch_wait_ms=60_000,
+                                 batch_gap_ms=50)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    burst = await asyncio.wait_for(asyncio.gather(*(client.generate([UserMessage(content="Hi")], None, params)
+                                                    for _ in range(4))), 30)
+    assert len(burst) == 4 and client.batch_sizes == [4]
+    lone = await asyncio.wait_for(client.generate([UserMessage(content="Hello")], None, params), 30)
+    assert lone.completion_ids and client.batch_sizes == [4, 1]
+    await client.aclose()
+    with pytest.raises(ValueError):
+        HFClient.from_model(model, client.tokenizer, batch_gap_ms=-1)
