@@ -78,6 +78,8 @@ _SHARE_PROMPT_CHARS = 1 << 16
 #: ``HFClient._encode_off_worker``); the last ``_RECENT_PROMPTS`` renderings are kept.
 _INLINE_PROMPT_CHARS = 1 << 13
 _RECENT_PROMPTS = 256
+#: A request waiting beside a running batch joins it after at most this many decode steps.
+_ADMIT_AFTER_STEPS = 2
 
 
 def safe_params(params: SamplingParams) -> SamplingParams:
@@ -488,6 +490,7 @@ class HFClient(ModelClient):
 
         active: DecodeBatch | None = None
         holding = stopping = False
+        first_wait: int | None = None  # the decode step at which a queued request was first seen
         try:
             while True:
                 if active is None:
@@ -505,10 +508,18 @@ class HFClient(ModelClient):
                     with torch.no_grad():
                         active = self._admit(reqs, None)
                 elif not stopping and not self._pausing and len(active) < self.max_batch_size and active.mergeable():
-                    reqs, stopping = self._drain(self.max_batch_size - len(active))
-                    if reqs:
-                        with torch.no_grad():
-                            active = self._admit(reqs, active)
+                    waiting = self._queue.qsize()
+                    if waiting and first_wait is None:
+                        first_wait = self.decode_steps
+                    # Each admission costs a prefill pass, about one decode step: a busy batch lets
+                    # newcomers gather for up to _ADMIT_AFTER_STEPS steps (or until enough wait).
+                    if waiting and (waiting >= max(1, len(active) // 8)
+                                    or self.decode_steps - (first_wait or 0) >= _ADMIT_AFTER_STEPS):
+                        first_wait = None
+                        reqs, stopping = self._drain(self.max_batch_size - len(active))
+                        if reqs:
+                            with torch.no_grad():
+                                active = self._admit(reqs, active)
                 if active is not None:
                     with torch.no_grad():
                         active = self._step(active)
