@@ -1,19 +1,88 @@
 """The information-gain clarifier experiment on the built-in ``clarify`` environment.
 
-From one SFT start (the tiny model imitating the scripted max-IG expert for a few steps), two
-GRPO runs with identical seeds and settings except the reward:
+From one SFT start (the model imitating the scripted expert), two GRPO runs with identical seeds
+and settings except the reward:
 
 - ``success``: success − cost per turn (the information-gain component weighs 0);
-- ``ig``: the same plus the exact per-turn information gain (nats) as a per-turn reward, credited
-  to the turn that asked (turn-level advantages, ``turn_reward_components=[info_gain]``).
+- ``ig``: the same plus the exact per-turn information gain (nats) as a per-turn reward
+  (turn-level advantages, ``turn_reward_components=[info_gain]``), credited to the turn that
+  asked: ``--gamma 0`` (default) makes a turn's return-to-go its own gain. With γ = 1 the
+  return-to-go of *any* question, an uninformative one included, is the gain of the rest of the
+  episode, so the per-turn reward cannot single out the question that told nothing. Returns are
+  compared with the same-numbered turns of the group (``--turn-baseline position``, default):
+  with the trainer's pooled baseline (``group``) the final submit, which never gains information,
+  is pushed down in every episode, and the IG policy unlearns submitting (measured below).
 
-All three policies are then evaluated greedily on held-out seeds: success (Wilson 95% CI), mean
-questions, mean uninformative questions (questions whose answer did not shrink the candidate
-set: exact IG = 0). The paper's claim, in sign: the IG-trained policy asks fewer uninformative
-questions at equal or better success.
+All three policies are then evaluated on the same held-out seeds, greedily and sampled at T = 1
+(``--eval-temperatures``): success (Wilson 95% CI), mean questions, mean uninformative questions
+(questions whose answer did not shrink the candidate set: exact IG = 0). Both, because a greedy
+policy shows only its most likely question: an SFT policy that asks an uninformative question in
+15% of its samples asks none greedily, and GRPO trains the sampled policy. The paper's claim, in sign: the IG-trained policy
+asks fewer uninformative questions at equal or better success.
 
-    python benchmarks/bench_clarify_ig.py --out out/clarify-ig            # ~10 min on 2 CPU cores
-    python benchmarks/bench_clarify_ig.py --quick                         # a smoke run
+Tasks (``--task``):
+
+- ``level``: ``clarify`` at ``--level`` with its built-in vocabulary and ids ``c1..cN``;
+- ``tiny`` (default): a task the 150k-parameter tiny model can learn (:data:`TINY_TASK`): 4 items
+  over 2 fixed attributes (size, shelf) with 2 values each, the values digits (the tokenizer splits
+  numbers into digits and the tiny model's warm-up taught it to copy them into tool arguments),
+  items named by their values (``7 3``) so a submit copies the answers, and an imperfect expert
+  (``expert_noise=0.3``: ~0.15 uninformative questions per demonstration) so that SFT starts with
+  uninformative questions to remove. Why: with the ``level`` task, SFT'd tiny models neither spell
+  the attribute names nor look an id up in the catalogue (greedy success ≈ 1/N), so asking cannot
+  pay and success-only GRPO learns to guess; with word values (``Oslo snowy``) they ask correctly
+  but never copy a multi-token answer (greedy success 0.05 after 500 SFT steps); with digits,
+  greedy success after SFT is 1.0 and the sampled (T = 1) policy still asks ~0.9 uninformative
+  questions per episode.
+
+``--env-options JSON`` overrides any environment option of the chosen task; ``--sft-model``
+reuses an SFT checkpoint (a second GRPO seed from the same start).
+
+    python benchmarks/bench_clarify_ig.py --model PATH_TO_TINY --out out/clarify-ig     # ~20 min, 2 CPU cores
+    python benchmarks/bench_clarify_ig.py --quick                                       # a smoke run
+
+Measured
+--------
+2 shared CPU cores, the shared prebuilt tiny model ($TINY, 150k parameters), task ``tiny``, SFT 4000
+expert episodes × 500 steps (470 s), GRPO 25 steps × 64 episodes per arm (~4-6 min each), 200
+held-out seeds; success [Wilson 95% CI] / questions / uninformative questions per episode.
+Commands (``B=benchmarks/bench_clarify_ig.py``, ``S="--sft-model out/clarify-ig/sft --grpo-steps 25"``)::
+
+    python $B --model $TINY --out out/clarify-ig --grpo-steps 25 --seed 0 \
+        --turn-baseline group                           # SFT + rows 2-3, 1172 s
+    python $B $S --out out/clarify-ig --arms ig --seed 0                                  # row 4, 289 s
+    python $B $S --out out/clarify-ig --seed 1                                            # rows 9-10, 438 s
+    python $B $S --out out/clarify-ig-nocost --env-options '{"turn_cost": 0}' --seed 0    # rows 5-6, 513 s
+    python $B $S --out out/clarify-ig-nocost --env-options '{"turn_cost": 0}' --seed 1    # rows 7-8, 468 s
+
+Greedy, every policy: success 0.98-1.00, exactly 2 questions, 0 uninformative, except the
+IG arm without turn cost (0.935 [0.89, 0.96], 0.005 uninformative). Sampled (T = 1):
+
+==========================================  =====================  ====  =====
+policy (turn cost, IG baseline, GRPO seed)  success                q     uninf
+==========================================  =====================  ====  =====
+SFT                                         0.405 [0.339, 0.474]   2.55  0.895
+success only (0.05, -, 0)                   0.640 [0.571, 0.703]   1.88  0.030
+IG 0.5/nat (0.05, group, 0)                 0.500 [0.431, 0.569]   2.24  0.355
+IG 0.5/nat (0.05, position, 0)              0.625 [0.556, 0.689]   1.97  0.070
+success only (0, -, 0)                      0.660 [0.592, 0.722]   2.08  0.170
+IG 0.5/nat (0, position, 0)                 0.605 [0.536, 0.670]   1.94  0.115
+success only (0, -, 1)                      0.620 [0.551, 0.684]   1.93  0.055
+IG 0.5/nat (0, position, 1)                 0.645 [0.577, 0.708]   2.00  0.130
+success only (0.05, -, 1)                   0.650 [0.582, 0.713]   1.97  0.105
+IG 0.5/nat (0.05, position, 1)              0.635 [0.566, 0.699]   1.95  0.070
+==========================================  =====================  ====  =====
+
+Reading: the paper's sign is NOT shown. SFT leaves the sampled policy with 0.9 uninformative
+questions per episode; both GRPO arms (position baseline) remove most of them at the same budget
+and reach the same success (every pair of CIs overlaps), and which arm keeps fewer flips with the
+seed (IG vs success only: 0.070 vs 0.030 and 0.070 vs 0.105 with turn cost; 0.115 vs 0.170 and
+0.130 vs 0.055 without; 2-seed means 0.070 vs 0.068 and 0.123 vs 0.113). Success-only GRPO has
+its own pressure against them: two uninformative questions exhaust the 4-turn budget, and each
+costs a turn when turn_cost > 0. Greedy policies ask no uninformative question at all, from SFT
+on. With the trainer's pooled turn baseline (``group``) the IG policy stops submitting (22-49 of
+64 rollouts truncated per step) and loses success (0.500 vs 0.640, CIs apart); ``position``
+fixes that.
 """
 
 from __future__ import annotations
@@ -22,19 +91,47 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
+
+#: The ``tiny`` task's environment options (see the module docstring).
+TINY_TASK: dict[str, Any] = {
+    "n_candidates": 4, "n_attributes": 2, "n_values": 2, "item_ids": "values", "expert_noise": 0.3,
+    "attribute_values": {"size": list("123456789"), "shelf": list("123456789")},
+}
+
+
+def env_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The environment options of every stage (expert data, GRPO, evaluation)."""
+    opts: dict[str, Any] = dict(TINY_TASK) if args.task == "tiny" else {"level": args.level}
+    opts.update(json.loads(args.env_options) if args.env_options else {})
+    if args.expert_noise is not None:
+        opts["expert_noise"] = args.expert_noise
+    return opts
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out/clarify-ig")
     ap.add_argument("--model", default=None, help="base model directory (default: build the tiny model)")
-    ap.add_argument("--level", type=int, default=1)
-    ap.add_argument("--expert-episodes", type=int, default=400)
-    ap.add_argument("--sft-steps", type=int, default=60)
+    ap.add_argument("--task", choices=("tiny", "level"), default="tiny", help="see the module docstring")
+    ap.add_argument("--level", type=int, default=1, help="clarify level of --task level")
+    ap.add_argument("--env-options", default=None, help="JSON object of clarify options over the task's")
+    ap.add_argument("--expert-noise", type=float, default=None, help="override the expert's noise (0..1)")
+    ap.add_argument("--expert-episodes", type=int, default=4000)
+    ap.add_argument("--sft-steps", type=int, default=500)
+    ap.add_argument("--sft-lr", type=float, default=3e-3)
+    ap.add_argument("--sft-model", default=None, help="reuse this SFT checkpoint instead of training one")
     ap.add_argument("--grpo-steps", type=int, default=30)
     ap.add_argument("--ig-weight", type=float, default=0.5, help="reward per nat of information gain (ig run)")
+    ap.add_argument("--gamma", type=float, default=0.0, help="discount of the per-turn IG return-to-go (ig run)")
+    ap.add_argument("--turn-baseline", choices=("group", "position"), default="position",
+                    help="baseline of the per-turn IG returns (ig run); see the module docstring")
+    ap.add_argument("--arms", default="success,ig", help="GRPO arms to train: success, ig or both")
+    ap.add_argument("--lr", type=float, default=5e-4, help="GRPO learning rate")
+    ap.add_argument("--seed", type=int, default=0, help="GRPO seed (both arms)")
     ap.add_argument("--eval-episodes", type=int, default=200)
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--eval-temperatures", default="0,1",
+                    help="comma-separated sampling temperatures of the evaluation (0: greedy)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
@@ -46,6 +143,7 @@ def main() -> None:
 
     from closedloop.evals.envs import make_env
     from closedloop.evals.envs.experts import expert_trajectories
+    from closedloop.models.base import SamplingParams
     from closedloop.models.hf import HFClient
     from closedloop.models.tiny import build_tiny_model
     from closedloop.trainers.config import SFTConfig
@@ -57,42 +155,67 @@ def main() -> None:
     console = Console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    opts = env_options(args)
+    make_env("clarify", **opts)  # bad options fail here, before any training
     t0 = time.perf_counter()
-    base = Path(args.model) if args.model else out / "base"
-    if not args.model and not (base / "config.json").exists():
-        build_tiny_model(base, seed=0, train_steps=300 if args.quick else 1000)
-    experts = expert_trajectories("clarify", range(args.expert_episodes), level=args.level)
-    sft = train_sft(SFTConfig(model=str(base), output_dir=str(out / "sft"), max_steps=args.sft_steps,
-                              learning_rate=3e-3, lr_scheduler="cosine", warmup_steps=max(1, args.sft_steps // 20),
-                              per_device_batch_size=16, save_steps=None, report_to="none", torch_threads=1,
-                              max_length=2048), experts)
+    timings: dict[str, float] = {}
+    if args.sft_model:
+        sft_dir = Path(args.sft_model)
+    else:
+        base = Path(args.model) if args.model else out / "base"
+        if not args.model and not (base / "config.json").exists():
+            build_tiny_model(base, seed=0, train_steps=300 if args.quick else 1000)
+        experts = expert_trajectories("clarify", range(args.expert_episodes), **opts)
+        sft_dir = train_sft(SFTConfig(model=str(base), output_dir=str(out / "sft"), max_steps=args.sft_steps,
+                                      learning_rate=args.sft_lr, lr_scheduler="cosine",
+                                      warmup_steps=max(1, args.sft_steps // 20), per_device_batch_size=16,
+                                      save_steps=None, report_to="none", torch_threads=1, max_length=2048,
+                                      logging_steps=50), experts).output_dir
+        timings["sft_s"] = time.perf_counter() - t0
+    max_turns = make_env("clarify", **opts)._max_turns()
     runs = {}
+    arms = [a.strip() for a in args.arms.split(",")]
+    if not arms or set(arms) - {"success", "ig"}:
+        raise SystemExit(f"--arms takes success and/or ig, got {args.arms!r}")
     for name, weight, turn in (("success", 0.0, []), ("ig", args.ig_weight, ["info_gain"])):
-        cfg = GRPOConfig(model=str(sft.output_dir), output_dir=str(out / f"grpo-{name}"), env="clarify",
-                         env_options={"level": args.level, "info_gain_weight": weight},
-                         turn_reward_components=turn, max_steps=args.grpo_steps, learning_rate=args.lr,
-                         lr_scheduler="constant", prompts_per_step=8, num_generations=8, max_env_steps=6,
-                         max_new_tokens=48, per_device_batch_size=16, seed=0, train_seed_start=1_000_000,
-                         report_to="none", save_steps=None, torch_threads=1)
+        if name not in arms:
+            continue
+        t1 = time.perf_counter()
+        tag = f"-{args.turn_baseline}" if turn else ""
+        cfg = GRPOConfig(model=str(sft_dir), output_dir=str(out / f"grpo-{name}{tag}-s{args.seed}"), env="clarify",
+                         env_options={**opts, "info_gain_weight": weight}, turn_reward_components=turn,
+                         turn_baseline=args.turn_baseline if turn else "group",
+                         gamma=args.gamma if turn else 1.0, max_steps=args.grpo_steps, learning_rate=args.lr,
+                         lr_scheduler="constant", prompts_per_step=8, num_generations=8, max_env_steps=max_turns,
+                         max_new_tokens=48, per_device_batch_size=16, seed=args.seed,
+                         train_seed_start=1_000_000, report_to="none", save_steps=None, torch_threads=1)
         runs[name] = train_grpo(cfg)
+        timings[f"grpo_{name}_s"] = time.perf_counter() - t1
     rows = []
     seeds = range(10_000_000, 10_000_000 + args.eval_episodes)
-    for name, path in (("sft", sft.output_dir), ("grpo-success", runs["success"].output_dir),
-                       ("grpo-ig", runs["ig"].output_dir)):
+    temperatures = [float(t) for t in args.eval_temperatures.split(",")]
+    policies = [("sft", sft_dir)] + [(f"grpo-{k}", r.output_dir) for k, r in runs.items()]
+    for name, path in policies:
         client = HFClient.from_pretrained(path, max_batch_size=64)
-        summary, _ = evaluate(client, lambda: make_env("clarify", level=args.level), seeds, name=name,
-                              max_steps=6, extra_keys=("questions", "uninformative_questions"))
-        rows.append(summary.as_dict())
-    table = Table(title=f"clarify level {args.level}: {args.eval_episodes} held-out episodes (greedy)")
-    for col in ("policy", "success", "95% CI", "questions", "uninformative", "turns"):
+        for temp in temperatures:
+            params = SamplingParams(temperature=temp, max_tokens=64, seed=args.seed)
+            summary, _ = evaluate(client, lambda: make_env("clarify", **opts), seeds, name=name, params=params,
+                                  max_steps=max_turns, extra_keys=("questions", "uninformative_questions"))
+            rows.append({**summary.as_dict(), "temperature": temp})
+    table = Table(title=f"clarify ({args.task}): {args.eval_episodes} held-out episodes, GRPO seed {args.seed}")
+    for col in ("policy", "eval", "success", "95% CI", "questions", "uninformative", "turns"):
         table.add_column(col)
-    for r in rows:
-        table.add_row(r["name"], f"{r['success']:.3f}", f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]",
-                      f"{r['questions']:.2f}", f"{r['uninformative_questions']:.2f}", f"{r['mean_turns']:.2f}")
+    for r in sorted(rows, key=lambda r: r["temperature"]):
+        table.add_row(r["name"], "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}",
+                      f"{r['success']:.3f}", f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]", f"{r['questions']:.2f}",
+                      f"{r['uninformative_questions']:.3f}", f"{r['mean_turns']:.2f}")
     console.print(table)
-    (out / "results.json").write_text(json.dumps({"rows": rows, "args": vars(args),
-                                                  "seconds": time.perf_counter() - t0}, indent=2))
-    console.print(f"results: {out / 'results.json'} ({time.perf_counter() - t0:.0f} s)")
+    seconds = time.perf_counter() - t0
+    result_file = out / f"results-{'-'.join(arms)}-{args.turn_baseline}-s{args.seed}.json"
+    result_file.write_text(json.dumps(
+        {"rows": rows, "args": vars(args), "env_options": opts, "seconds": seconds, "timings": timings,
+         "history": {k: r.history for k, r in runs.items()}}, indent=2, default=str))
+    console.print(f"results: {result_file} ({seconds:.0f} s)")
 
 
 if __name__ == "__main__":

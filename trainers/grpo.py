@@ -89,6 +89,9 @@ class GRPOConfig(TrainConfig):
                                                                                 "the final reward.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of per-turn rewards in the return-to-go.")
     turn_weight: float = Field(1.0, ge=0, description="Weight of the turn-level advantage added to the final one.")
+    turn_baseline: Literal["group", "position"] = Field(
+        "group", description="Baseline of the turn-level returns: all turns of the group, or the group's turns "
+                             "at the same index (see closedloop.trainers.advantages).")
     rollout_model: str | None = Field(None, description="Rollouts from another engine (vllm:PATH or "
                                                         "openai:NAME@URL with token ids) instead of the live policy; "
                                                         "weights are pushed to it after each update where it supports "
@@ -328,7 +331,7 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
                 costs = constraints.annotate([e for g in groups for e in g.episodes]) if constraints else []
                 batch = build_batch(groups, constraints.reward_spec(spec) if constraints else spec,
                                     scale=config.scale_rewards, gamma=config.gamma, turn_weight=config.turn_weight,
-                                    max_length=config.max_length, pad_id=pad)
+                                    max_length=config.max_length, pad_id=pad, turn_baseline=config.turn_baseline)
                 if constraints:  # penalty R - Σλ·C is in the advantages; now the dual step on λ
                     batch.stats.update(constraints.step(costs, batch.stats, reduce=_sum_over_processes(accel)))
                     if session.is_main:

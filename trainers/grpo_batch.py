@@ -84,7 +84,8 @@ class RolloutBatch:
 
 
 def build_batch(groups: list[Group], spec: RewardSpec, *, scale: str = "group", gamma: float = 1.0,
-                turn_weight: float = 1.0, max_length: int | None = None, pad_id: int = 0) -> RolloutBatch:
+                turn_weight: float = 1.0, max_length: int | None = None, pad_id: int = 0,
+                turn_baseline: str = "group") -> RolloutBatch:
     """Score every episode, assign per-token advantages, and pad the token views into a batch.
 
     Episodes whose turns have no token ids (a remote server that does not return them) are
@@ -105,7 +106,8 @@ def build_batch(groups: list[Group], spec: RewardSpec, *, scale: str = "group", 
             for k, v in comps.items():
                 comp_sums.setdefault(k, []).append(v)
     per_turn_adv = turn_level_advantages(torch.tensor(finals, dtype=torch.float32), turn_rewards,
-                                         torch.tensor(group_ids), gamma=gamma, turn_weight=turn_weight, scale=scale)
+                                         torch.tensor(group_ids), gamma=gamma, turn_weight=turn_weight, scale=scale,
+                                         turn_baseline=turn_baseline)  # type: ignore[arg-type]
     rows: list[dict[str, list]] = []
     rows_per_episode: list[int] = []
     truncated = 0

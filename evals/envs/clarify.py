@@ -19,6 +19,16 @@ hidden goal. The agent has two tools:
 
 A text reply without tool calls gets a user nudge and the episode continues.
 
+Options for small models (defaults keep the levels above unchanged): ``attribute_values`` replaces
+the attribute → values table (e.g. words a tiny tokenizer holds as single tokens, and a fixed pair
+of attributes, so a policy never has to spell a name it has not seen); ``item_ids="values"`` names
+each item by its values joined with spaces in the catalogue's attribute order (``red small``)
+instead of ``c1..cN``, so a policy that has asked every attribute can submit by copying the
+answers, without the catalogue lookup a 2-layer model does not learn in a few hundred SFT steps
+(the question policy is then what matters); ``expert_noise`` makes the scripted expert a
+realistic, imperfect clarifier (some demonstrations contain uninformative questions, so SFT
+starts with some to remove).
+
 Belief: with a uniform prior over the catalogue and truthful answers, the posterior is uniform over
 the candidates consistent with every answer so far (:func:`posterior`). The information gain of a
 question is the realised entropy drop ``H(before) − H(after)`` in nats (:func:`information_gain`):
@@ -40,7 +50,7 @@ import math
 import random
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 from pydantic import Field, model_validator
 
@@ -147,6 +157,15 @@ class ClarifyOptions(EnvOptions):
     success_weight: float = Field(1.0, description="reward for submitting the hidden goal")
     turn_cost: float = Field(0.05, description="cost per action (subtracted every step)")
     info_gain_weight: float = Field(0.0, description="reward per nat of realised information gain, per step")
+    attribute_values: dict[str, list[str]] | None = Field(
+        None, description="attribute -> possible values, replacing the built-in table ATTRIBUTES; a catalogue "
+                          "draws n_attributes of these attributes and n_values of each one's values")
+    item_ids: Literal["index", "values"] = Field(
+        "index", description="item ids: 'index' c1..cN; 'values' the item's values joined by spaces in the "
+                             "catalogue's attribute order ('red small')")
+    expert_noise: float = Field(0.0, ge=0.0, le=1.0, description="probability that each question of the scripted "
+                                "expert is a uniformly random attribute (possibly a repeat or one that does not "
+                                "split the remaining items: uninformative) instead of the max-IG one")
     system_prompt: str = Field(
         "You help a customer find the {category} they want in this catalogue. Ask about one attribute at a time "
         "with ask, and call submit with the item's id once you know it.\nCatalogue:\n{catalogue}",
@@ -156,11 +175,23 @@ class ClarifyOptions(EnvOptions):
         n, k, v = LEVELS[self.level]
         return self.n_candidates or n, self.n_attributes or k, self.n_values or v
 
+    def table(self) -> dict[str, list[str]]:
+        return dict(self.attribute_values) if self.attribute_values is not None else ATTRIBUTES
+
     @model_validator(mode="after")
     def _check_shape(self) -> "ClarifyOptions":
         n, k, v = self.shape()
         if v ** k < n:
             raise ValueError(f"{n} distinct candidates need n_values ** n_attributes >= {n}, got {v}**{k}")
+        table = self.table()
+        if len(table) < k:
+            raise ValueError(f"attribute_values has {len(table)} attributes, fewer than n_attributes={k}")
+        for name, values in table.items():
+            if not name.strip() or name != name.strip().lower():
+                raise ValueError(f"attribute names are lower-case words without surrounding spaces, got {name!r}")
+            if len(set(values)) < v or len(set(values)) != len(values) or not all(x.strip() for x in values):
+                raise ValueError(f"attribute {name!r} needs at least n_values={v} distinct non-empty values, "
+                                 f"got {values}")
         return self
 
 
@@ -183,11 +214,14 @@ class ClarifyEnv(BuiltinEnv):
     def _setup(self, rng: random.Random) -> list[_Message]:
         n, k, v = self.options.shape()
         self.category = rng.choice(CATEGORIES)
-        self.attributes = rng.sample(list(ATTRIBUTES), k)
-        values = {a: rng.sample(ATTRIBUTES[a], v) for a in self.attributes}
+        table = self.options.table()
+        self.attributes = rng.sample(list(table), k)
+        values = {a: rng.sample(table[a], v) for a in self.attributes}
         combos = list(itertools.product(*(values[a] for a in self.attributes)))
         chosen = rng.sample(combos, n)
-        self.candidates = [Candidate(f"c{i + 1}", dict(zip(self.attributes, combo))) for i, combo in enumerate(chosen)]
+        by_values = self.options.item_ids == "values"
+        self.candidates = [Candidate(" ".join(combo) if by_values else f"c{i + 1}", dict(zip(self.attributes, combo)))
+                           for i, combo in enumerate(chosen)]
         self.goal = rng.choice(self.candidates)
         self.answers: dict[str, str] = {}
         self.questions = self.uninformative = 0
@@ -218,6 +252,9 @@ class ClarifyEnv(BuiltinEnv):
                 candidate_id: The item's id in the catalogue, such as 'c3'.
             """
             return self._submit(candidate_id)
+
+        if self.options.item_ids == "values":  # the example id in the schema matches the catalogue's ids
+            submit.__doc__ = submit.__doc__.replace("'c3'", repr(self.candidates[-1].id))
 
         self.registry.register(Tool(ask, description=f"Ask the customer which value they want for one attribute "
                                                      f"({attrs}).", timeout_s=None))
@@ -285,13 +322,19 @@ class ClarifyEnv(BuiltinEnv):
     # ------------------------------------------------------------------ expert
 
     def expert_action(self) -> AssistantMessage:
-        """Ask the question of maximal expected gain until one candidate remains, then submit it."""
+        """Ask the question of maximal expected gain until one candidate remains, then submit it.
+
+        With ``expert_noise`` p, each question is instead, with probability p, a uniformly random
+        attribute (seeded by the episode's seed and turn, so expert trajectories are reproducible)."""
         if self.goal is None or self.done:
             raise RuntimeError("clarify: no episode in progress")
         alive = self.remaining()
         if len(alive) > 1:
             attribute = best_question(self._rows, self.answers, self.attributes)
             assert attribute is not None  # distinct candidates: some attribute splits any set of two or more
+            noise = random.Random(f"clarify-expert/{self.seed}/{self.turns}")
+            if self.options.expert_noise and noise.random() < self.options.expert_noise:
+                attribute = noise.choice(self.attributes)
             call = ToolCall.make("ask", {"attribute": attribute}, id=f"call_{self.turns}_0")
         else:
             call = ToolCall.make("submit", {"candidate_id": alive[0].id}, id=f"call_{self.turns}_0")

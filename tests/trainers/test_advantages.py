@@ -153,3 +153,21 @@ def test_turn_credit_errors_are_clear():
         token_advantages([[0.5], [0.1]], torch.tensor([[-1, 0, 1], [-1, 0, 0]]))
     with pytest.raises(ValueError, match="len\\(per_turn\\)"):
         token_advantages([[0.5]], torch.tensor([[-1, 0], [0, 0]]))
+
+
+def test_position_baseline_compares_each_turn_with_the_same_numbered_turns():
+    # Two episodes of one group: ask (IG 1), ask (IG 1), answer (0) vs ask (1), ask again (0), answer (0).
+    # Pooled over the group's turns, both final answers are pushed down (their return is below the
+    # pool's mean); per position, the final answers tie (0 advantage) and only turn 1 differs.
+    final = [0.0, 0.0]
+    rewards = [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    pooled = turn_level_advantages(final, rewards, group_size=2, gamma=0.0, scale="none")
+    assert pooled[0][2] == pytest.approx(-0.5) and pooled[1][2] == pytest.approx(-0.5)
+    per_pos = turn_level_advantages(final, rewards, group_size=2, gamma=0.0, scale="none", turn_baseline="position")
+    assert per_pos == [pytest.approx([0.0, 0.5, 0.0]), pytest.approx([0.0, -0.5, 0.0])]
+    # episodes of different lengths: a turn index only one episode reached gets no turn credit
+    ragged = turn_level_advantages([0.0, 0.0], [[1.0, 0.0, 1.0], [1.0]], group_size=2, gamma=0.0, scale="group",
+                                   turn_baseline="position")
+    assert ragged[0][1:] == [0.0, 0.0] and ragged[0][0] == ragged[1][0] == 0.0
+    with pytest.raises(ValueError, match="turn_baseline"):
+        turn_level_advantages(final, rewards, group_size=2, turn_baseline="episode")

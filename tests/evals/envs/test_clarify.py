@@ -174,3 +174,65 @@ async def test_calls_after_a_submit_are_not_run_and_truncation():
     await env.astep(ask(env.attributes[0]))
     *_, terminated, truncated, info = await env.astep(ask(env.attributes[0], 1))
     assert truncated and not terminated and not info["success"]
+
+
+# --------------------------------------------------------------------------- options for small models
+
+CITIES = {"city": ["Paris", "Oslo", "Lima"], "weather": ["sunny", "rainy"], "season": ["winter", "summer"]}
+
+
+async def test_value_ids_and_custom_attribute_values():
+    env = ClarifyEnv(n_candidates=4, n_attributes=2, n_values=2, attribute_values=CITIES, item_ids="values",
+                     turn_cost=0.0)
+    obs, info = await env.areset(3)
+    assert set(env.attributes) <= set(CITIES) and len(env.attributes) == 2
+    for c in env.candidates:  # the id is the values in the catalogue's attribute order
+        assert c.id == " ".join(c.attributes[a] for a in env.attributes)
+        assert all(c.attributes[a] in CITIES[a] for a in env.attributes)
+        assert f"{c.id}: " in obs[0].text
+    schema = next(t for t in info["tools"] if t["function"]["name"] == "submit")
+    assert repr(env.candidates[-1].id) in schema["function"]["parameters"]["properties"]["candidate_id"]["description"]
+    for a in env.attributes:
+        obs, *_ = await env.astep(ask(a))
+    answered = " ".join(env.goal.attributes[a] for a in env.attributes)
+    *_, terminated, truncated, info = await env.astep(submit(answered))  # copying the answers submits the goal
+    assert terminated and info["success"] and info["submitted"] == env.goal.id
+    assert ClarifyEnv(level=1).options.item_ids == "index"  # the default is unchanged
+
+
+def test_attribute_values_validation():
+    with pytest.raises(EnvOptionsError, match="fewer than n_attributes"):
+        ClarifyEnv(n_attributes=3, n_values=2, n_candidates=4, attribute_values={"city": ["a", "b"], "size": ["s", "m"]})
+    with pytest.raises(EnvOptionsError, match="at least n_values"):
+        ClarifyEnv(n_attributes=2, n_values=3, n_candidates=4, attribute_values={"city": ["a", "b", "c"], "size": ["s", "m"]})
+    with pytest.raises(EnvOptionsError, match="at least n_values"):
+        ClarifyEnv(n_attributes=1, n_values=2, n_candidates=2, attribute_values={"city": ["a", "a"]})
+    with pytest.raises(EnvOptionsError, match="lower-case"):
+        ClarifyEnv(n_attributes=1, n_values=2, n_candidates=2, attribute_values={"City": ["a", "b"]})
+    with pytest.raises(EnvOptionsError):
+        ClarifyEnv(expert_noise=1.5)
+
+
+async def _expert_episode(env: ClarifyEnv, seed: int) -> tuple[list[str], dict]:
+    await env.areset(seed)
+    actions = []
+    while True:
+        action = env.expert_action()
+        actions.append(action.tool_calls[0].function.arguments)
+        *_, terminated, truncated, info = await env.astep(action)
+        if terminated or truncated:
+            return actions, info
+
+
+async def test_noisy_expert_asks_some_uninformative_questions_reproducibly():
+    opts = dict(n_candidates=4, n_attributes=2, n_values=2, attribute_values=CITIES, item_ids="values")
+    clean, noisy, again = ClarifyEnv(**opts), ClarifyEnv(**opts, expert_noise=0.5), ClarifyEnv(**opts, expert_noise=0.5)
+    wasted = 0
+    for seed in range(40):
+        _, info = await _expert_episode(clean, seed)
+        assert info["success"] and info["uninformative_questions"] == 0
+        actions, info = await _expert_episode(noisy, seed)
+        assert (actions, info) == await _expert_episode(again, seed)  # seeded by the episode
+        assert info["success"] or info["uninformative_questions"] > 0  # it fails only by running out of turns
+        wasted += info["uninformative_questions"]
+    assert wasted > 0
