@@ -54,9 +54,10 @@ Commands (``B=benchmarks/bench_clarify_ig.py``, ``S="--sft-model out/clarify-ig/
     python $B $S --out out/clarify-ig --seed 1                                            # rows 9-10, 438 s
     python $B $S --out out/clarify-ig-nocost --env-options '{"turn_cost": 0}' --seed 0    # rows 5-6, 513 s
     python $B $S --out out/clarify-ig-nocost --env-options '{"turn_cost": 0}' --seed 1    # rows 7-8, 468 s
+    python $B $S --out out/clarify-ig-nocost6 --env-options '{"turn_cost": 0, "max_turns": 6}' --seed 0  # 721 s
 
-Greedy, every policy: success 0.98-1.00, exactly 2 questions, 0 uninformative, except the
-IG arm without turn cost (0.935 [0.89, 0.96], 0.005 uninformative). Sampled (T = 1):
+Greedy, every policy: success 0.97-1.00, 2.00-2.02 questions, 0-0.015 uninformative, except
+the IG arm without turn cost, seed 0 (0.935 [0.89, 0.96]). Sampled (T = 1):
 
 ==========================================  =====================  ====  =====
 policy (turn cost, IG baseline, GRPO seed)  success                q     uninf
@@ -71,6 +72,9 @@ success only (0, -, 1)                      0.620 [0.551, 0.684]   1.93  0.055
 IG 0.5/nat (0, position, 1)                 0.645 [0.577, 0.708]   2.00  0.130
 success only (0.05, -, 1)                   0.650 [0.582, 0.713]   1.97  0.105
 IG 0.5/nat (0.05, position, 1)              0.635 [0.566, 0.699]   1.95  0.070
+SFT, max_turns 6                            0.415 [0.349, 0.484]   3.11  1.445
+success only (0, -, 0), max_turns 6         0.625 [0.556, 0.689]   2.13  0.255
+IG 0.5/nat (0, position, 0), max_turns 6    0.630 [0.561, 0.694]   2.37  0.455
 ==========================================  =====================  ====  =====
 
 Reading: the paper's sign is NOT shown. SFT leaves the sampled policy with 0.9 uninformative
@@ -79,8 +83,9 @@ and reach the same success (every pair of CIs overlaps), and which arm keeps few
 seed (IG vs success only: 0.070 vs 0.030 and 0.070 vs 0.105 with turn cost; 0.115 vs 0.170 and
 0.130 vs 0.055 without; 2-seed means 0.070 vs 0.068 and 0.123 vs 0.113). Success-only GRPO has
 its own pressure against them: two uninformative questions exhaust the 4-turn budget, and each
-costs a turn when turn_cost > 0. Greedy policies ask no uninformative question at all, from SFT
-on. With the trainer's pooled turn baseline (``group``) the IG policy stops submitting (22-49 of
+costs a turn when turn_cost > 0; without either pressure (no turn cost, 6 turns) the IG arm kept
+more of them than success only (0.455 vs 0.255, one seed). Greedy policies ask (almost) no
+uninformative question, from SFT on. With the trainer's pooled turn baseline (``group``) the IG policy stops submitting (22-49 of
 64 rollouts truncated per step) and loses success (0.500 vs 0.640, CIs apart); ``position``
 fixes that.
 """
