@@ -16,9 +16,9 @@ and settings except the reward:
 All three policies are then evaluated on the same held-out seeds, greedily and sampled at T = 1
 (``--eval-temperatures``): success (Wilson 95% CI), mean questions, mean uninformative questions
 (questions whose answer did not shrink the candidate set: exact IG = 0). Both, because a greedy
-policy shows only its most likely question: an SFT policy that asks an uninformative question in
-15% of its samples asks none greedily, and GRPO trains the sampled policy. The paper's claim, in sign: the IG-trained policy
-asks fewer uninformative questions at equal or better success.
+policy shows only its most likely question: the SFT policy below asks 0.9 uninformative questions
+per episode sampled and none greedily, and GRPO trains the sampled policy. The paper's claim, in
+sign: the IG-trained policy asks fewer uninformative questions at equal or better success.
 
 Tasks (``--task``):
 
@@ -85,9 +85,9 @@ seed (IG vs success only: 0.070 vs 0.030 and 0.070 vs 0.105 with turn cost; 0.11
 its own pressure against them: two uninformative questions exhaust the 4-turn budget, and each
 costs a turn when turn_cost > 0; without either pressure (no turn cost, 6 turns) the IG arm kept
 more of them than success only (0.455 vs 0.255, one seed). Greedy policies ask (almost) no
-uninformative question, from SFT on. With the trainer's pooled turn baseline (``group``) the IG policy stops submitting (22-49 of
-64 rollouts truncated per step) and loses success (0.500 vs 0.640, CIs apart); ``position``
-fixes that.
+uninformative question, from SFT on. With the trainer's pooled turn baseline (``group``) the IG
+policy stops submitting (22-49 of 64 rollouts truncated per step) and loses success (0.500 vs
+0.640, CIs apart); ``position`` fixes that.
 """
 
 from __future__ import annotations
