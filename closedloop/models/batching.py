@@ -25,19 +25,7 @@ T = TypeVar("T")
 def settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any = None,
            error: BaseException | None = None) -> None:
     """Complete ``future`` on its own loop from any thread (a no-op if done or the loop is closed)."""
-
-    def apply() -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    try:
-        loop.call_soon_threadsafe(apply)
-    except RuntimeError:
-        pass  # the caller's loop is closed; nobody is waiting
+    settle_many([(loop, future, result, error)])
 
 
 def settle_many(outcomes: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, Any, BaseException | None]]) -> None:

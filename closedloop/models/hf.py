@@ -450,27 +450,23 @@ class HFClient(ModelClient):
     def _gather(self, first: _Request, room: int) -> tuple[list[_Request], bool]:
         """``first`` plus what arrives within ``batch_wait_ms`` (up to ``room`` requests): requests
         sent together (a GRPO group) start together. Also returns whether the stop sentinel came."""
-        batch = [first]
-        deadline = time.perf_counter() + self.batch_wait_s
+        more, stop = self._take(room - 1, time.perf_counter() + self.batch_wait_s)
+        return [first, *more], stop
+
+    def _drain(self, room: int) -> tuple[list[_Request], bool]:
+        """What is queued now (up to ``room`` requests), without waiting."""
+        return self._take(room, None)
+
+    def _take(self, room: int, deadline: float | None) -> tuple[list[_Request], bool]:
+        """Up to ``room`` queued requests, waiting until ``deadline`` (``None``: not at all; with
+        ``batch_gap_s``, no longer than that between arrivals), and whether the stop sentinel came."""
+        batch: list[_Request] = []
         while len(batch) < room:
-            remaining = deadline - time.perf_counter()
+            remaining = 0.0 if deadline is None else deadline - time.perf_counter()
             if self.batch_gap_s is not None:
                 remaining = min(remaining, self.batch_gap_s)
             try:
                 item = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                return batch, True
-            batch.append(item)
-        return batch, False
-
-    def _drain(self, room: int) -> tuple[list[_Request], bool]:
-        """What is queued now (up to ``room`` requests), without waiting."""
-        batch: list[_Request] = []
-        while len(batch) < room:
-            try:
-                item = self._queue.get_nowait()
             except queue.Empty:
                 break
             if item is None:
