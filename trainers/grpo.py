@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import gc
 import math
 import random
@@ -146,11 +147,17 @@ def policy_logits(model: Any, ids: torch.Tensor, attn: torch.Tensor, start: int)
 
 
 def _takes_logits_to_keep(model: Any) -> bool:
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft passes kwargs on
+    return _forward_takes_logits_to_keep(type(target))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_logits_to_keep(cls: type) -> bool:
+    """Per model class, once (``inspect.signature`` on every micro-batch is wasted work)."""
     import inspect
 
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft passes kwargs on
     try:
-        return "logits_to_keep" in inspect.signature(target.forward).parameters
+        return "logits_to_keep" in inspect.signature(cls.forward).parameters
     except (TypeError, ValueError):
         return False
 

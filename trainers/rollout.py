@@ -89,19 +89,17 @@ class GraphPolicy:
                               execute_tools=False, checkpointer=make_checkpointer("memory") if persistent else None,
                               **self.options)
 
-    def shared(self, tools: list[dict[str, Any]], cache: dict[str, Any], *, persistent: bool = True):
-        """The graph the episodes of one rollout batch share for these tools (each episode passes
-        its sample seed in its run config). Compiled once and kept for later batches (compiling
-        costs about as much as a tiny model's decode step); an episode deletes its checkpointer
-        thread when it ends, so a kept graph holds no episode's state."""
+    def shared(self, tools: list[dict[str, Any]], *, persistent: bool = True):
+        """The graph episodes share for these tools (each episode passes its sample seed in its run
+        config). Compiled once and kept for later batches (compiling costs about as much as a tiny
+        model's decode step); an episode deletes its checkpointer thread when it ends, so a kept
+        graph holds no episode's state."""
         key = json.dumps([tools, persistent], sort_keys=True, default=str)
-        if key not in cache:
-            if key not in self._compiled:
-                if len(self._compiled) >= _KEPT_GRAPHS:
-                    self._compiled.pop(next(iter(self._compiled)))
-                self._compiled[key] = self.build(tools, persistent=persistent)
-            cache[key] = self._compiled[key]
-        return cache[key]
+        if key not in self._compiled:
+            if len(self._compiled) >= _KEPT_GRAPHS:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[key] = self.build(tools, persistent=persistent)
+        return self._compiled[key]
 
 
 @dataclass
@@ -125,10 +123,10 @@ def _add(into: dict[str, float], comps: dict[str, float]) -> None:
 
 async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, max_steps: int = 16,
                       sample_seed: int | None = None, metadata: dict[str, Any] | None = None,
-                      graphs: dict[str, Any] | None = None) -> Episode:
+                      share_graph: bool = False) -> Episode:
     """One episode: the graph acts, the environment answers, until it ends or ``max_steps``.
 
-    ``graphs``: a cache shared by the episodes of one rollout batch (see :meth:`GraphPolicy.shared`);
+    ``share_graph``: run the policy's kept graph for these tools (see :meth:`GraphPolicy.shared`);
     without it the episode compiles a graph of its own. ``sample_seed`` (else ``policy.params.seed``)
     seeds every model call of the episode, through the run config.
     """
@@ -136,8 +134,7 @@ async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, m
     obs, info = await env.areset(seed=seed)
     tools = info.get("tools") or []
     persistent = max_steps > 1  # a one-step episode never resumes its graph thread
-    graph = policy.shared(tools, graphs, persistent=persistent) if graphs is not None else \
-        policy.build(tools, persistent=persistent)
+    graph = policy.shared(tools, persistent=persistent) if share_graph else policy.build(tools, persistent=persistent)
     config: dict[str, Any] = {"configurable": {"thread_id": uuid.uuid4().hex}}
     if sample_seed is not None:
         config["configurable"][SAMPLING_SEED] = sample_seed
@@ -176,7 +173,7 @@ async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, m
     else:
         truncated = True
     saver = getattr(graph, "checkpointer", None)
-    if graphs is not None and persistent and hasattr(saver, "adelete_thread"):
+    if share_graph and persistent and hasattr(saver, "adelete_thread"):
         await saver.adelete_thread(config["configurable"]["thread_id"])  # the shared graph keeps no episode
     traj = Trajectory(messages=messages, turns=turns, rewards=totals,
                       step_rewards=[sum(r.values()) if r else None for r in turn_rewards],
@@ -211,18 +208,17 @@ async def collect_groups(make_env: EnvFactory, policy: GraphPolicy, seeds: Itera
         raise ValueError("group_size must be >= 1")
     seeds = list(seeds)
     sem = asyncio.Semaphore(concurrency) if concurrency else None
-    graphs: dict[str, Any] = {}  # one compiled graph per tool list, for this batch only
 
     async def one(seed: int, j: int) -> Episode:
         ss = None if sample_seed is None else sample_seed + 1000 * seed + j
         meta = {"group": seed, "sample": j, **(metadata or {})}
         if sem is None:
             ep = await run_episode(make_env, policy, seed, max_steps=max_steps, sample_seed=ss, metadata=meta,
-                                   graphs=graphs)
+                                   share_graph=True)
         else:
             async with sem:
                 ep = await run_episode(make_env, policy, seed, max_steps=max_steps, sample_seed=ss, metadata=meta,
-                                       graphs=graphs)
+                                       share_graph=True)
         if on_episode is not None:
             on_episode(ep)
         return ep
