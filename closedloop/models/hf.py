@@ -190,7 +190,7 @@ class HFClient(ModelClient):
         #: stops new rows from joining so that the running ones can drain.
         self.weights_lock: threading.RLock = threading.RLock()
         self._pausing = 0
-        self._pausing_lock = threading.Lock()
+        self._pausing_lock = threading.Condition(threading.Lock())
         self._warned_training = False
         #: Rows whose caller went away mid-decode and were dropped (e.g. a disconnected stream).
         self.cancelled_rows = 0
@@ -357,6 +357,22 @@ class HFClient(ModelClient):
         finally:
             with self._pausing_lock:
                 self._pausing -= 1
+                self._pausing_lock.notify_all()
+
+    def _acquire_unpaused(self) -> None:
+        """Take ``weights_lock`` for a new batch, but never ahead of a waiting :meth:`paused`.
+
+        ``threading`` locks are not fair: a worker that just released the lock could take it
+        again at once and start a new batch while a trainer waits; so it yields until no pause
+        is pending.
+        """
+        while True:
+            self.weights_lock.acquire()
+            if not self._pausing:
+                return
+            self.weights_lock.release()
+            with self._pausing_lock:
+                self._pausing_lock.wait_for(lambda: not self._pausing)
 
     async def aclose(self) -> None:
         """Let queued and running requests finish, then stop the worker."""
@@ -499,7 +515,7 @@ class HFClient(ModelClient):
                     if first is None:
                         return
                     reqs, stopping = self._gather(first, self.max_batch_size)
-                    self.weights_lock.acquire()
+                    self._acquire_unpaused()
                     holding = True
                     with torch.no_grad():
                         active = self._admit(reqs, None)
