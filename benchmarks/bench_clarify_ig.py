@@ -129,8 +129,13 @@ def main() -> None:
     ap.add_argument("--grpo-steps", type=int, default=30)
     ap.add_argument("--ig-weight", type=float, default=0.5, help="reward per nat of information gain (ig run)")
     ap.add_argument("--gamma", type=float, default=0.0, help="discount of the per-turn IG return-to-go (ig run)")
-    ap.add_argument("--turn-baseline", choices=("group", "position"), default="position",
+    ap.add_argument("--turn-baseline", choices=("group", "position"), default="group",
                     help="baseline of the per-turn IG returns (ig run); see the module docstring")
+    ap.add_argument("--missing-turn-rewards", choices=("zero", "exclude"), default="exclude",
+                    help="turns that ask nothing (submit): IG 0 ('zero') or no IG at all ('exclude'; ig run)")
+    ap.add_argument("--eval-steps", default="",
+                    help="comma-separated GRPO steps whose checkpoints are also evaluated, sampled only")
+    ap.add_argument("--no-eval-sft", action="store_true", help="do not evaluate the SFT start")
     ap.add_argument("--arms", default="success,ig", help="GRPO arms to train: success, ig or both")
     ap.add_argument("--lr", type=float, default=5e-4, help="GRPO learning rate")
     ap.add_argument("--seed", type=int, default=0, help="GRPO seed (both arms)")
@@ -179,6 +184,7 @@ def main() -> None:
         timings["sft_s"] = time.perf_counter() - t0
     max_turns = make_env("clarify", **opts)._max_turns()
     runs = {}
+    eval_steps = [int(x) for x in args.eval_steps.split(",") if x.strip()]
     arms = [a.strip() for a in args.arms.split(",")]
     if not arms or set(arms) - {"success", "ig"}:
         raise SystemExit(f"--arms takes success and/or ig, got {args.arms!r}")
@@ -186,23 +192,33 @@ def main() -> None:
         if name not in arms:
             continue
         t1 = time.perf_counter()
-        tag = f"-{args.turn_baseline}" if turn else ""
+        tag = (f"-{args.turn_baseline}" + ("-exclude" if args.missing_turn_rewards == "exclude" else "")) if turn else ""
         cfg = GRPOConfig(model=str(sft_dir), output_dir=str(out / f"grpo-{name}{tag}-s{args.seed}"), env="clarify",
                          env_options={**opts, "info_gain_weight": weight}, turn_reward_components=turn,
                          turn_baseline=args.turn_baseline if turn else "group",
+                         missing_turn_rewards=args.missing_turn_rewards if turn else "zero",
                          gamma=args.gamma if turn else 1.0, max_steps=args.grpo_steps, learning_rate=args.lr,
                          lr_scheduler="constant", prompts_per_step=8, num_generations=8, max_env_steps=max_turns,
                          max_new_tokens=48, per_device_batch_size=16, seed=args.seed,
-                         train_seed_start=1_000_000, report_to="none", save_steps=None, torch_threads=1)
+                         train_seed_start=1_000_000, report_to="none", torch_threads=1,
+                         save_steps=min(eval_steps) if eval_steps else None)
         runs[name] = train_grpo(cfg)
         timings[f"grpo_{name}_s"] = time.perf_counter() - t1
     rows = []
     seeds = range(10_000_000, 10_000_000 + args.eval_episodes)
     temperatures = [float(t) for t in args.eval_temperatures.split(",")]
-    policies = [("sft", sft_dir)] + [(f"grpo-{k}", r.output_dir) for k, r in runs.items()]
-    for name, path in policies:
+    policies = [] if args.no_eval_sft else [("sft", sft_dir, temperatures)]
+    for k, r in runs.items():
+        for step in eval_steps:
+            if step < args.grpo_steps:
+                ckpt = r.output_dir / f"checkpoint-{step}"
+                if not ckpt.is_dir():
+                    raise SystemExit(f"--eval-steps {step}: no {ckpt} (steps must be multiples of the smallest)")
+                policies.append((f"grpo-{k}@{step}", ckpt, [t for t in temperatures if t > 0]))
+        policies.append((f"grpo-{k}", r.output_dir, temperatures))
+    for name, path, temps in policies:
         client = HFClient.from_pretrained(path, max_batch_size=64)
-        for temp in temperatures:
+        for temp in temps:
             params = SamplingParams(temperature=temp, max_tokens=64, seed=args.seed)
             summary, _ = evaluate(client, lambda: make_env("clarify", **opts), seeds, name=name, params=params,
                                   max_steps=max_turns, extra_keys=("questions", "uninformative_questions"))
@@ -216,7 +232,7 @@ def main() -> None:
                       f"{r['uninformative_questions']:.3f}", f"{r['mean_turns']:.2f}")
     console.print(table)
     seconds = time.perf_counter() - t0
-    result_file = out / f"results-{'-'.join(arms)}-{args.turn_baseline}-s{args.seed}.json"
+    result_file = out / f"results-{'-'.join(arms)}-{args.turn_baseline}-{args.missing_turn_rewards}-s{args.seed}.json"
     result_file.write_text(json.dumps(
         {"rows": rows, "args": vars(args), "env_options": opts, "seconds": seconds, "timings": timings,
          "history": {k: r.history for k, r in runs.items()}}, indent=2, default=str))

@@ -23,6 +23,18 @@ turn k gets A_{i,k}; context tokens (system, user, tool, template: ``turn_index 
 are also outside the loss mask. A turn is credited with its own reward and, discounted, with the
 rewards of the turns after it (which it made possible), never with earlier ones. With no per-turn
 rewards (all r = 0), A^turn = 0 and A_{i,k} = A^final_i: exactly GRPO's sequence advantage.
+
+**Missing turn rewards** (``missing="zero"|"exclude"``). r_{i,k} = None means the turn has no
+reward of that kind at all, not a reward of 0: e.g. clarify's information gain on the final
+submit, which asks nothing (see ``inapplicable_rewards`` in :mod:`closedloop.trainers.rollout`).
+``"zero"`` (default, the rule above) counts it as 0, so such a turn is compared with the turns
+that could earn the reward, and it loses to them by construction: with information gain, the
+submit is pushed down whenever another episode of the group (pooled baseline) or of the same turn
+index (``"position"``) asked an informative question there, which rewards asking as such rather
+than asking well. ``"exclude"`` gives such a turn A^turn = 0 (so A_{i,k} = A^final_i) and leaves
+it out of every mean and σ: the per-turn reward then only ranks turns that could earn it against
+each other (questions against questions). Its own return-to-go is not formed; a later turn's
+return-to-go still counts a None as 0. Without None the two are identical.
 """
 
 from __future__ import annotations
@@ -106,14 +118,19 @@ def turn_level_advantages(final_rewards: torch.Tensor | Sequence[float], turn_re
                           group_ids: Sequence[Hashable] | torch.Tensor | None = None, *, group_size: int | None = None,
                           gamma: float = 1.0, turn_weight: float = 1.0, scale: Scale = "group",
                           num_turns: Sequence[int] | None = None,
-                          turn_baseline: Literal["group", "position"] = "group") -> list[list[float]]:
+                          turn_baseline: Literal["group", "position"] = "group",
+                          missing: Literal["zero", "exclude"] = "zero") -> list[list[float]]:
     """One advantage per turn: ``A_{i,k} = A^final_i + turn_weight · A^turn_{i,k}`` (the module docstring's rule).
 
     ``final_rewards``: ``[N]`` episode rewards. ``turn_rewards[i][k]``: the reward of turn k of episode i
-    (index = ``Trajectory.turns`` index, as ``Trajectory.step_rewards``; None = 0). ``num_turns[i]``
-    pads episode i's list with zeros to that many turns (an episode without per-turn rewards still
-    needs one advantage per turn). Returns ``[[A_{i,0}, ..., A_{i,K_i−1}] for i]``.
+    (index = ``Trajectory.turns`` index, as ``Trajectory.step_rewards``; None = missing, see
+    ``missing``). ``num_turns[i]`` pads episode i's list with None to that many turns (an episode
+    without per-turn rewards still needs one advantage per turn). ``missing``: ``"zero"`` counts a
+    None as 0; ``"exclude"`` gives that turn A^turn = 0 and keeps it out of the baselines (the
+    module docstring says why). Returns ``[[A_{i,0}, ..., A_{i,K_i−1}] for i]``.
     """
+    if missing not in ("zero", "exclude"):
+        raise ValueError(f"missing must be 'zero' or 'exclude', got {missing!r}")
     final = torch.as_tensor(final_rewards, dtype=torch.float64).flatten()
     if len(turn_rewards) != final.numel():
         raise ValueError(f"{len(turn_rewards)} turn-reward lists for {final.numel()} episodes")
@@ -124,8 +141,10 @@ def turn_level_advantages(final_rewards: torch.Tensor | Sequence[float], turn_re
         for i, k in enumerate(num_turns):
             if k < len(lists[i]):
                 raise ValueError(f"episode {i} has {len(lists[i])} turn rewards but num_turns={k}")
-            lists[i] += [0.0] * (k - len(lists[i]))
+            lists[i] += [None] * (k - len(lists[i]))
     returns = [discounted_returns(rs, gamma) for rs in lists]
+    if missing == "exclude":  # NaN: outside every mean and std, advantage 0 (_normalise)
+        returns = [[float("nan") if r is None else g for r, g in zip(rs, gs)] for rs, gs in zip(lists, returns)]
     flat = torch.tensor([g for gs in returns for g in gs], dtype=torch.float64)
     if turn_baseline == "group":
         turn_group = torch.tensor([int(index[i]) for i, gs in enumerate(returns) for _ in gs], dtype=torch.long)

@@ -93,6 +93,10 @@ class GRPOConfig(TrainConfig):
     turn_baseline: Literal["group", "position"] = Field(
         "group", description="Baseline of the turn-level returns: all turns of the group, or the group's turns "
                              "at the same index (see closedloop.trainers.advantages).")
+    missing_turn_rewards: Literal["zero", "exclude"] = Field(
+        "zero", description="A turn without a per-turn reward (none of turn_reward_components applied, e.g. "
+                            "clarify's info_gain on a submit): 'zero' counts it as 0; 'exclude' gives it no "
+                            "turn advantage and keeps it out of the baselines (closedloop.trainers.advantages).")
     rollout_model: str | None = Field(None, description="Rollouts from another engine (vllm:PATH or "
                                                         "openai:NAME@URL with token ids) instead of the live policy; "
                                                         "weights are pushed to it after each update where it supports "
@@ -338,7 +342,8 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
                 costs = constraints.annotate([e for g in groups for e in g.episodes]) if constraints else []
                 batch = build_batch(groups, constraints.reward_spec(spec) if constraints else spec,
                                     scale=config.scale_rewards, gamma=config.gamma, turn_weight=config.turn_weight,
-                                    max_length=config.max_length, pad_id=pad, turn_baseline=config.turn_baseline)
+                                    max_length=config.max_length, pad_id=pad, turn_baseline=config.turn_baseline,
+                                    missing_turn_rewards=config.missing_turn_rewards)
                 if constraints:  # penalty R - Σλ·C is in the advantages; now the dual step on λ
                     batch.stats.update(constraints.step(costs, batch.stats, reduce=_sum_over_processes(accel)))
                     if session.is_main:

@@ -40,7 +40,10 @@ class RewardSpec:
     ``weights``: component → weight (components not named weigh 1.0). ``turn_components`` are
     credited per turn (their per-turn values feed the turn-level advantage); all others form the
     episode's final reward. ``functions`` are extra named rewards computed on the finished
-    trajectory (final-reward side).
+    trajectory (final-reward side). A turn has no per-turn reward (None) when none of the turn
+    components applied to it: absent from its reward dict, or named by the environment as
+    inapplicable to every step the turn took (``metadata["inapplicable_rewards"]``, see
+    :mod:`closedloop.trainers.rollout`).
     """
 
     weights: dict[str, float] = field(default_factory=dict)
@@ -50,16 +53,20 @@ class RewardSpec:
     def w(self, name: str) -> float:
         return float(self.weights.get(name, 1.0))
 
-    def score(self, traj: Trajectory) -> tuple[float, list[float], dict[str, float]]:
-        """(final reward, per-turn rewards, every named component unweighted for logging)."""
+    def score(self, traj: Trajectory) -> tuple[float, list[float | None], dict[str, float]]:
+        """(final reward, per-turn rewards (None: none applied), every named component unweighted for logging)."""
         comps = dict(traj.rewards)
         for name, fn in self.functions.items():
             comps[name] = float(fn(traj))
         final = sum(self.w(k) * v for k, v in comps.items() if k not in self.turn_components)
-        per_turn = [sum(self.w(k) * v for k, v in tr.items() if k in self.turn_components)
-                    for tr in traj.metadata.get("turn_rewards") or [{} for _ in traj.turns]]
+        inapplicable = traj.metadata.get("inapplicable_rewards") or []
+        per_turn: list[float | None] = []
+        for k, tr in enumerate(traj.metadata.get("turn_rewards") or [{} for _ in traj.turns]):
+            skip = set(inapplicable[k]) if k < len(inapplicable) else set()
+            applied = [c for c in tr if c in self.turn_components and c not in skip]
+            per_turn.append(sum(self.w(c) * tr[c] for c in applied) if applied else None)
         if len(per_turn) != len(traj.turns):
-            per_turn = (per_turn + [0.0] * len(traj.turns))[: len(traj.turns)]
+            per_turn = (per_turn + [None] * len(traj.turns))[: len(traj.turns)]
         return final, per_turn, comps
 
 
@@ -85,14 +92,18 @@ class RolloutBatch:
 
 def build_batch(groups: list[Group], spec: RewardSpec, *, scale: str = "group", gamma: float = 1.0,
                 turn_weight: float = 1.0, max_length: int | None = None, pad_id: int = 0,
-                turn_baseline: str = "group") -> RolloutBatch:
+                turn_baseline: str = "group", missing_turn_rewards: str = "zero") -> RolloutBatch:
     """Score every episode, assign per-token advantages, and pad the token views into a batch.
+
+    ``missing_turn_rewards``: what a turn without a per-turn reward (None from
+    :meth:`RewardSpec.score`) counts as in the turn-level advantage (``missing`` of
+    :func:`~closedloop.trainers.advantages.turn_level_advantages`).
 
     Episodes whose turns have no token ids (a remote server that does not return them) are
     refused with :class:`~closedloop.messages.MissingTokensError` by ``token_view``.
     """
     finals: list[float] = []
-    turn_rewards: list[list[float]] = []
+    turn_rewards: list[list[float | None]] = []
     group_ids: list[int] = []
     trajs: list[Trajectory] = []
     comp_sums: dict[str, list[float]] = {}
@@ -107,7 +118,8 @@ def build_batch(groups: list[Group], spec: RewardSpec, *, scale: str = "group", 
                 comp_sums.setdefault(k, []).append(v)
     per_turn_adv = turn_level_advantages(torch.tensor(finals, dtype=torch.float32), turn_rewards,
                                          torch.tensor(group_ids), gamma=gamma, turn_weight=turn_weight, scale=scale,
-                                         turn_baseline=turn_baseline)  # type: ignore[arg-type]
+                                         turn_baseline=turn_baseline,  # type: ignore[arg-type]
+                                         missing=missing_turn_rewards)  # type: ignore[arg-type]
     rows: list[dict[str, list]] = []
     rows_per_episode: list[int] = []
     truncated = 0

@@ -21,7 +21,11 @@ exactly as with a graph of its own.
 Rewards: ``info["rewards"]`` of every step (named components, see :mod:`closedloop.env`) are
 summed per episode into ``Trajectory.rewards``; components the trainer treats as per-turn (such
 as ``info_gain``) are also kept per turn, on the last trainable turn the graph produced in that
-step, in ``Trajectory.metadata["turn_rewards"]`` (one dict per turn).
+step, in ``Trajectory.metadata["turn_rewards"]`` (one dict per turn). Components a step reports
+as 0.0 only because they do not apply to it (``info["inapplicable_rewards"]``, e.g. clarify's
+``info_gain`` on a step that asked nothing) and that applied to none of a turn's steps are listed
+per turn in ``metadata["inapplicable_rewards"]`` (present only when some turn has one): the
+trainer gives such a turn no per-turn reward (None), not a reward of 0.
 """
 
 from __future__ import annotations
@@ -140,6 +144,7 @@ async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, m
         config["configurable"][SAMPLING_SEED] = sample_seed
     turns: list[Turn] = []
     turn_rewards: list[dict[str, float]] = []
+    inapplicable: list[set[str] | None] = []  # per turn: components that applied to none of its steps
     totals: dict[str, float] = {}
     seen, steps, terminated, truncated, last_info, error = 0, 0, False, False, dict(info), None
     messages: list[_Message] = list(obs)
@@ -156,6 +161,7 @@ async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, m
             last if isinstance(last, AssistantMessage) else AssistantMessage(content=str(last)))
         turns += new_turns
         turn_rewards += [{} for _ in new_turns]
+        inapplicable += [None for _ in new_turns]
         obs, reward, terminated, truncated, step_info = await env.astep(action)
         steps += 1
         comps = dict(step_info.get("rewards") or {"reward": float(reward)})
@@ -163,6 +169,8 @@ async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, m
         owner = next((i for i in range(len(turns) - 1, -1, -1) if turns[i].trainable), None)
         if owner is not None:
             _add(turn_rewards[owner], comps)
+            skip = set(step_info.get("inapplicable_rewards") or ())
+            inapplicable[owner] = skip if inapplicable[owner] is None else inapplicable[owner] & skip
         # The environment appends the agent's reply to its history; the graph's thread already
         # holds that reply, so only what comes after it is new to the graph (as in evaluation).
         seen = len(messages) + 1
@@ -179,6 +187,8 @@ async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, m
                       step_rewards=[sum(r.values()) if r else None for r in turn_rewards],
                       metadata={"seed": seed, "sample_seed": sample_seed, "steps": steps, "terminated": terminated,
                                 "truncated": truncated, "turn_rewards": turn_rewards, **(metadata or {}),
+                                **({"inapplicable_rewards": [sorted(s or ()) for s in inapplicable]}
+                                   if any(inapplicable) else {}),
                                 **({"error": error} if error else {})})
     return Episode(traj, terminated, truncated, steps, last_info, error)
 

@@ -40,7 +40,12 @@ remaining set, and the gains of an episode that identifies the goal sum to ``ln 
 
 Reward components (``info["rewards"]``): ``success`` (``success_weight`` on a correct submit),
 ``info_gain`` (``info_gain_weight`` × this step's realised gain; 0 when the weight is 0, the
-default), ``turn_cost`` (``-turn_cost`` every step).
+default), ``turn_cost`` (``-turn_cost`` every step). A step that asks nothing (a submit, a text
+reply) has no information gain at all rather than a gain of 0: it reports ``info_gain`` as 0.0 (so
+every step has the same keys) and names it in ``info["inapplicable_rewards"]``, so that a trainer
+crediting ``info_gain`` per turn can compare questions only with questions
+(:mod:`closedloop.trainers.advantages`, ``missing="exclude"``). A step with a question that fails
+(an unknown attribute) did ask: its gain is 0.
 """
 
 from __future__ import annotations
@@ -305,19 +310,24 @@ class ClarifyEnv(BuiltinEnv):
         self._step_gain = 0.0
         if not message.tool_calls:
             nudge = "Please ask about one attribute with the ask tool, or submit the item's id with submit."
-            return [UserMessage(content=nudge)], {}, False, {"info_gain": 0.0}
+            return [UserMessage(content=nudge)], {}, False, {"info_gain": 0.0, "inapplicable_rewards": ["info_gain"]}
         new: list[_Message] = []
+        asked = False  # an ask call ran (a failed one included)
         for call in message.tool_calls:
             if self.submitted is not None:  # calls after the submit in the same message are not run
                 new.append(ToolMessage(tool_call_id=call.id, name=call.name, content="Error: not run: an item was "
                                        "already submitted", error="not run: an item was already submitted"))
                 continue
+            asked = asked or call.name == "ask"
             result = await self.registry.call(call)
             new.append(result.to_message(call.id))
         self.total_info_gain += self._step_gain
         rewards = {"info_gain": self.options.info_gain_weight * self._step_gain,
                    "success": self.options.success_weight if self.success else 0.0}
-        return new, rewards, self.submitted is not None, {"info_gain": self._step_gain}
+        extra: dict[str, Any] = {"info_gain": self._step_gain}
+        if not asked:  # a submit (or any other call) asks nothing: no information gain, rather than a gain of 0
+            extra["inapplicable_rewards"] = ["info_gain"]
+        return new, rewards, self.submitted is not None, extra
 
     # ------------------------------------------------------------------ expert
 

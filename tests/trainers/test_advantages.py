@@ -171,3 +171,59 @@ def test_position_baseline_compares_each_turn_with_the_same_numbered_turns():
     assert ragged[0][1:] == [0.0, 0.0] and ragged[0][0] == ragged[1][0] == 0.0
     with pytest.raises(ValueError, match="turn_baseline"):
         turn_level_advantages(final, rewards, group_size=2, turn_baseline="episode")
+
+
+def test_missing_turn_rewards_excluded_compare_questions_only_with_questions():
+    # One group of two episodes, γ = 0, no scaling, so every number is a hand computation.
+    # Episode 0: ask (gain 1), ask (gain 1), submit (no gain at all: None), success R = 1.
+    # Episode 1: ask (1), repeat (0), ask (1), truncated, R = 0.   A^final = +0.5, −0.5.
+    final = [1.0, 0.0]
+    rewards = [[1.0, 1.0, None], [1.0, 0.0, 1.0]]
+    # "zero" (default): the submit's 0 joins the pool (mean 4/6) and the successful submit is pushed
+    # below its episode's final advantage: 0.5 − 2/3 < 0.
+    zero = turn_level_advantages(final, rewards, group_size=2, gamma=0.0, scale="none")
+    assert zero[0] == pytest.approx([0.5 + 1 / 3, 0.5 + 1 / 3, 0.5 - 2 / 3])
+    assert zero == turn_level_advantages(final, [[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]], group_size=2, gamma=0.0,
+                                         scale="none")  # None = 0: the default is unchanged
+    # "exclude": the pool is the five questions (mean 4/5); the submit keeps exactly A^final.
+    ex = turn_level_advantages(final, rewards, group_size=2, gamma=0.0, scale="none", missing="exclude")
+    assert ex == [pytest.approx([0.7, 0.7, 0.5]), pytest.approx([-0.3, -1.3, -0.3])]
+    # per position: at turn 2 the submit is no longer compared with episode 1's question
+    pos_zero = turn_level_advantages(final, rewards, group_size=2, gamma=0.0, scale="none", turn_baseline="position")
+    assert pos_zero[0][2] == pytest.approx(0.0) and pos_zero[1][2] == pytest.approx(0.0)  # 0.5 − 0.5, −0.5 + 0.5
+    pos_ex = turn_level_advantages(final, rewards, group_size=2, gamma=0.0, scale="none", turn_baseline="position",
+                                   missing="exclude")
+    assert pos_ex == [pytest.approx([0.5, 1.0, 0.5]), pytest.approx([-0.5, -1.0, -0.5])]
+    # with std scaling, an excluded turn is outside the std too: the same as not having the turn
+    scaled = turn_level_advantages(final, rewards, group_size=2, gamma=0.0, missing="exclude")
+    short = turn_level_advantages(final, [[1.0, 1.0], [1.0, 0.0, 1.0]], group_size=2, gamma=0.0)
+    a_final = 0.5 / (math.sqrt(0.5) + 1e-4)
+    assert scaled[0][:2] == pytest.approx(short[0]) and scaled[1] == pytest.approx(short[1])
+    assert scaled[0][2] == pytest.approx(a_final)
+    std = math.sqrt((4 * 0.2 ** 2 + 0.8 ** 2) / 4)
+    assert scaled[1][1] == pytest.approx(-a_final - 0.8 / (std + 1e-4))
+    # num_turns pads with missing rewards; without any None the two rules agree
+    padded = turn_level_advantages(final, [[1.0, 1.0], [1.0, 0.0, 1.0]], group_size=2, gamma=0.0, scale="none",
+                                   num_turns=[3, 3], missing="exclude")
+    assert padded == ex
+    plain = [[1.0, 0.5, 0.0], [0.0, 2.0]]
+    assert turn_level_advantages(final, plain, group_size=2, gamma=0.7, missing="exclude") == \
+        turn_level_advantages(final, plain, group_size=2, gamma=0.7)
+    with pytest.raises(ValueError, match="missing"):
+        turn_level_advantages(final, rewards, group_size=2, missing="skip")
+
+
+def test_reward_spec_gives_a_turn_without_an_applicable_turn_component_no_reward():
+    from closedloop.trainers.grpo_batch import RewardSpec
+
+    traj = _three_turn_trajectory(40)
+    traj.rewards = {"success": 1.0, "info_gain": 2.0, "turn_cost": -0.15}
+    traj.metadata = {"turn_rewards": [{"info_gain": 1.0, "turn_cost": -0.05}, {"info_gain": 0.0, "turn_cost": -0.05},
+                                      {"info_gain": 0.0, "success": 1.0, "turn_cost": -0.05}],
+                     "inapplicable_rewards": [[], [], ["info_gain"]]}
+    spec = RewardSpec(weights={"info_gain": 0.5}, turn_components=["info_gain"])
+    final, per_turn, comps = spec.score(traj)
+    assert final == pytest.approx(0.85) and per_turn == [0.5, 0.0, None] and comps == traj.rewards
+    traj.metadata.pop("inapplicable_rewards")  # an environment that does not say: the submit's 0.0 is a reward
+    assert spec.score(traj)[1] == [0.5, 0.0, 0.0]
+    assert RewardSpec().score(traj)[1] == [None, None, None]  # no turn components: nothing per turn

@@ -236,3 +236,18 @@ async def test_noisy_expert_asks_some_uninformative_questions_reproducibly():
         assert info["success"] or info["uninformative_questions"] > 0  # it fails only by running out of turns
         wasted += info["uninformative_questions"]
     assert wasted > 0
+
+
+async def test_a_step_that_asks_nothing_has_no_information_gain_rather_than_zero():
+    """Questions (a repeated or a malformed one included) earn a gain, possibly 0; a submit or a text
+    reply asks nothing, so info_gain is named inapplicable (still reported as 0.0: same keys every step)."""
+    env = ClarifyEnv(level=2, info_gain_weight=1.0, turn_cost=0.0, max_turns=10)
+    await env.areset(2)
+    attr = env.attributes[0]
+    for action in (ask(attr), ask(attr, 1), ask("flavour", 2)):
+        *_, info = await env.astep(action)
+        assert "inapplicable_rewards" not in info
+    for action in (AssistantMessage(content="Which one?"), submit("c999"), submit(env.goal.id)):
+        *_, info = await env.astep(action)
+        assert info["inapplicable_rewards"] == ["info_gain"] and info["rewards"]["info_gain"] == 0.0
+    assert info["success"]
