@@ -16,11 +16,71 @@ batch that happens at.
 Caches whose layers are not plain :class:`~transformers.cache_utils.DynamicLayer` (sliding-window
 or hybrid caches) cannot be padded this way; :meth:`DecodeBatch.mergeable` says so, and the client
 then only starts new requests when the running batch is empty (static batching).
+
+Two things keep a decode step cheap on small models, where a step is mostly fixed costs: the KV
+cache of a mergeable batch keeps spare room (:func:`_slack_layer_class`: a step writes its key in
+place instead of copying the whole cache with ``torch.cat``), and the attention mask goes to the
+model already 4D for ``sdpa``/``eager`` (built from the 2D mask in one op, instead of transformers'
+mask functions on every step). Both give bit-identical logits (tests/models/test_hf_continuous.py).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
+
+#: Spare key/value columns a layer reserves when it (re)allocates: one copy of the cache then
+#: serves this many decode steps.
+SLACK_TOKENS = 64
+
+
+@functools.cache
+def _slack_layer_class() -> type:
+    """A ``DynamicLayer`` whose keys/values are views into a buffer with spare columns.
+
+    ``update`` writes new columns into the buffer when they fit; anything that replaced the
+    tensors (a merge, a row selection, a cut of leading columns) is detected by the tensor no
+    longer being the buffer's leading view, and the next update falls back to the plain
+    concatenation and reserves a new buffer. The views handed to attention are never written
+    where they can see (only columns past their end change).
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class SlackLayer(DynamicLayer):
+        _buf_k: Any = None
+        _buf_v: Any = None
+
+        def _is_buffer_view(self, t: Any, buf: Any) -> bool:
+            return (buf is not None and t is not None and t.data_ptr() == buf.data_ptr()
+                    and t.shape[:2] == buf.shape[:2] and t.stride() == buf.stride())
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            if self.is_initialized and self._is_buffer_view(self.keys, self._buf_k) \
+                    and self._is_buffer_view(self.values, self._buf_v):
+                n, m = self.keys.shape[-2], key_states.shape[-2]
+                if n + m <= self._buf_k.shape[-2]:
+                    self._buf_k[..., n:n + m, :] = key_states
+                    self._buf_v[..., n:n + m, :] = value_states
+                    self.keys, self.values = self._buf_k[..., :n + m, :], self._buf_v[..., :n + m, :]
+                    return self.keys, self.values
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            b, h, n, d = keys.shape
+            self._buf_k = keys.new_empty(b, h, n + SLACK_TOKENS, d)
+            self._buf_v = values.new_empty(values.shape[0], values.shape[1], n + SLACK_TOKENS, values.shape[3])
+            self._buf_k[..., :n, :] = keys
+            self._buf_v[..., :n, :] = values
+            self.keys, self.values = self._buf_k[..., :n, :], self._buf_v[..., :n, :]
+            return self.keys, self.values
+
+    return SlackLayer
+
+
+def _plain_layers(cache: Any) -> bool:
+    """Whether every layer of ``cache`` is a plain (full-attention, growing) dynamic layer."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return layers is not None and all(type(layer) in (DynamicLayer, _slack_layer_class()) for layer in layers)
 
 
 def _left_pad(t: Any, width: int, dim: int, value: float = 0) -> Any:
@@ -76,6 +136,8 @@ class DecodeBatch:
             cache = DynamicCache(config=model.config)
         except TypeError:  # transformers < 4.56
             cache = DynamicCache()
+        if _plain_layers(cache) and cache.layers:
+            cache.layers = [_slack_layer_class()() for _ in cache.layers]
         input_ids, attn, positions = input_ids.to(device), attn.to(device), positions.to(device)
         out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True,
                     logits_to_keep=1, **extra_inputs, **{cache_kw: cache})
@@ -95,10 +157,7 @@ class DecodeBatch:
 
     def mergeable(self) -> bool:
         """Whether rows can join this batch mid-decode (every cache layer a plain ``DynamicLayer``)."""
-        from transformers.cache_utils import DynamicLayer
-
-        layers = getattr(self.cache, "layers", None)
-        return layers is not None and all(type(layer) is DynamicLayer for layer in layers)
+        return _plain_layers(self.cache)
 
     def merge(self, other: "DecodeBatch") -> None:
         """Append ``other``'s rows (freshly prefilled) to this batch, left-padding the narrower side."""
@@ -143,13 +202,29 @@ class DecodeBatch:
                 if getattr(layer, "keys", None) is not None and layer.keys.numel():
                     layer.keys, layer.values = layer.keys[..., first:, :], layer.values[..., first:, :]
 
-    def forward(self, model: Any, tokens: Any, cache_kw: str) -> None:
-        """Feed each row's newest token; ``last`` becomes the logits of the token after it."""
+    def _step_mask(self, model: Any, mask_4d: bool) -> Any:
+        """The mask of a one-token step: the 2D padding mask, or for ``sdpa``/``eager`` models with
+        full attention everywhere the 4D mask they would build from it (a query of one token at
+        the end sees every unpadded column, so padding is all the mask says)."""
+        import torch
+
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if not mask_4d or impl not in ("sdpa", "eager") or not self.mergeable():
+            return self.attn
+        mask = self.attn[:, None, None, :].bool()
+        if impl == "sdpa":
+            return mask
+        dtype = next(model.parameters()).dtype  # eager adds the mask to the scores
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+    def forward(self, model: Any, tokens: Any, cache_kw: str, *, mask_4d: bool = True) -> None:
+        """Feed each row's newest token; ``last`` becomes the logits of the token after it.
+        ``mask_4d=False`` always passes the 2D mask (models that derive more than attention from it)."""
         import torch
 
         ones = torch.ones((len(self.rows), 1), dtype=self.attn.dtype, device=self.attn.device)
         self.attn = torch.cat([self.attn, ones], dim=1)
-        out = model(input_ids=tokens.to(self.attn.device).unsqueeze(1), attention_mask=self.attn,
+        out = model(input_ids=tokens.to(self.attn.device).unsqueeze(1), attention_mask=self._step_mask(model, mask_4d),
                     position_ids=self.next_pos, use_cache=True, **{cache_kw: self.cache})
         self.last = out.logits[:, -1, :]
         self.next_pos = self.next_pos + 1

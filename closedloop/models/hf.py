@@ -267,6 +267,10 @@ class HFClient(ModelClient):
         require_text_only(req.messages, self.spec)
         return self.encode_prompt(req.messages, req.tools, req.tool_choice), None, []
 
+    #: Decode steps pass the 4D attention mask they would otherwise have transformers build from
+    #: the 2D one (cheaper per step; see :mod:`closedloop.models.decode_batch`).
+    _step_mask_4d = True
+
     def _prefill_inputs(self, rows: list[_Row], device: Any) -> dict[str, Any]:
         """Extra keyword inputs of the batch's first forward pass (none for a text model)."""
         return {}
@@ -598,7 +602,7 @@ class HFClient(ModelClient):
                 tokens = tokens[torch.tensor(stay, dtype=torch.long)]
             self.decode_steps += 1
             self.decode_rows += len(batch)
-            batch.forward(self.model, tokens, self._cache_kw)
+            batch.forward(self.model, tokens, self._cache_kw, mask_4d=self._step_mask_4d)
             return batch
         except Exception as e:
             for row in batch.rows:

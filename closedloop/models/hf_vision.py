@@ -147,6 +147,9 @@ class HFVisionClient(HFClient):
         ids, extras = self.encode_multimodal(req.messages, req.tools, req.tool_choice)
         return ids, extras, media_refs(req.messages)
 
+    #: Vision-language models may derive more than attention from the 2D mask (e.g. rope indices).
+    _step_mask_4d = False
+
     def _prefill_inputs(self, rows: list[_Row], device: Any) -> dict[str, Any]:
         """Per-row tensors concatenated in row order: the model matches image features to image
         tokens in flattened (row-major) order, which is the order of the rows."""

@@ -146,3 +146,32 @@ async def test_a_gap_ends_the_idle_gather_once_a_burst_is_over(tiny_model_path):
     await client.aclose()
     with pytest.raises(ValueError):
         HFClient.from_model(model, client.tokenizer, batch_gap_ms=-1)
+
+
+async def test_cached_decode_matches_a_fresh_forward_as_rows_leave_join_and_outgrow_the_slack(endless):
+    """The decode fast paths (KV layers with spare columns written in place, a 4D step mask) give
+    the logprobs of a plain full forward pass without any cache, for rows that join a running
+    batch, outlive rows that leave it, and decode past the cache's spare room."""
+    import torch
+
+    from closedloop.models.decode_batch import SLACK_TOKENS
+
+    model, tokenizer = endless
+    client = HFClient.from_model(model, tokenizer, batch_wait_ms=0, max_batch_size=4)
+    budgets = [SLACK_TOKENS + 20, 5, 30, 12, 2 * SLACK_TOKENS + 3]
+    jobs = []
+    for i, n in enumerate(budgets):
+        params = SamplingParams(temperature=1.0, seed=7 + i, max_tokens=n)
+        jobs.append(asyncio.ensure_future(client.generate([UserMessage(content="Hi " * (1 + 3 * i))], None, params)))
+        await asyncio.sleep(0.02)
+    turns = [await job for job in jobs]
+    await client.aclose()
+    assert len(client.batch_sizes) > 1, "the requests should have joined a running batch"
+    for turn, n in zip(turns, budgets):
+        assert len(turn.completion_ids) == n
+        ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].float()
+        k = len(turn.prompt_ids)
+        fresh = torch.log_softmax(logits[k - 1:-1], -1).gather(1, torch.tensor(turn.completion_ids)[:, None])[:, 0]
+        assert max(abs(a - b) for a, b in zip(turn.logprobs, fresh.tolist())) < 1e-4
