@@ -30,7 +30,8 @@ rendering, generation, reward, loss, backward, optimizer, logging); the first st
 excluded; medians. The ratio is the median over repeats of (closedloop's median / TRL's median) of
 the same repeat: the two runs of a repeat are adjacent in time, so a shared machine's drifting load
 moves both (``--repeats`` alternates which goes first). Split: closedloop's ``rollout_s`` from its
-metrics; TRL's time in ``_generate_and_score_completions`` (generation + reward + advantages); the
+metrics (the wait for the batch's rollout: with ``prefetch_rollouts``, on by default, the next
+batch's episodes start during the update, so part of their set-up is in "rest"); TRL's time in ``_generate_and_score_completions`` (generation + reward + advantages); the
 rest of a step is the remainder.
 
     python benchmarks/bench_grpo_vs_trl.py --steps 20 --prompts 4 --generations 8 --max-new-tokens 32
@@ -159,7 +160,8 @@ def run_ours(model_path: str, out: Path, args: argparse.Namespace, plan: list[li
                      learning_rate=args.lr, lr_scheduler="linear", warmup_steps=0, max_grad_norm=1.0,
                      max_steps=args.steps, per_device_batch_size=batch, gradient_accumulation_steps=1,
                      max_batch_size=max(64, batch), max_length=None, logging_steps=1, save_steps=None,
-                     report_to=["none"], torch_threads=1, seed=args.seed)
+                     report_to=["none"], torch_threads=1, seed=args.seed,
+                     prefetch_rollouts=args.prefetch_rollouts == "on")
     ends: list[float] = []
     rows_per_step: list[list[dict[str, Any]]] = []
 
@@ -317,6 +319,8 @@ def main() -> None:
                                                            "goes first (the machine's load drifts); medians")
     p.add_argument("--quick", action="store_true", help="a smoke run: 4 steps, P=2, G=4, 16 tokens (and a tiny "
                                                          "model warmed up for 100 steps when built)")
+    p.add_argument("--prefetch-rollouts", choices=["on", "off"], default="on",
+                   help="closedloop starts the next batch's episodes during the update (GRPOConfig.prefetch_rollouts)")
     p.add_argument("--out", default="out/bench_grpo_vs_trl", help="folder for results.json and rewards.png")
     args = p.parse_args()
     if args.quick:

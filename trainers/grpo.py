@@ -24,7 +24,7 @@ credit can land on turns.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import copy
 import functools
 import gc
@@ -45,6 +45,7 @@ from closedloop.trainers.grpo_batch import RewardSpec, RolloutBatch, build_batch
 from closedloop.trainers.losses import LOSS_TYPES, entropy_from_logits, grpo_loss, importance_sampling_weights, \
     token_logprobs
 from closedloop.trainers.rollout import EnvFactory, GraphPolicy, Group, collect_groups
+from closedloop.trainers.rollout_thread import RolloutThread
 
 
 class GRPOConfig(TrainConfig):
@@ -106,6 +107,10 @@ class GRPOConfig(TrainConfig):
     importance_sampling_cap: float = Field(3.0, gt=0, description="Truncation of the IS weight (TRL default 3.0).")
     rollout_concurrency: int | None = Field(None, ge=1, description="Episodes run at once (null: all).")
     max_batch_size: int = Field(64, ge=1, description="Largest decode batch of the live policy's client.")
+    prefetch_rollouts: bool = Field(
+        True, description="Start the next batch's episodes (environment reset, graph up to its first model call) "
+                          "while the optimizer step runs; their generation waits for the updated weights, so "
+                          "results are identical. Applies to the live policy (no rollout_model).")
     learning_rate: float = Field(1e-6, gt=0, description="Peak AdamW learning rate (TRL GRPOConfig default 1e-6).")
     max_steps: int | None = Field(100, ge=1, description="GRPO steps (rollout batches).")
     save_steps: int | None = Field(None, ge=1, description="Checkpoint every this many steps (null: at the end).")
@@ -318,6 +323,23 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
         [rng.randrange(config.train_seed_count) for _ in range(config.prompts_per_step)]
     from closedloop.trainers.checkpoint import InterruptGuard
 
+    def start_rollout(step: int) -> Any:
+        seeds = [config.train_seed_start + rng.randrange(config.train_seed_count)
+                 for _ in range(config.prompts_per_step)]
+        return rollouts.submit(collect_groups(make_env, policy_def, seeds, config.num_generations,
+                                              max_steps=config.max_env_steps,
+                                              sample_seed=None if config.seed is None else
+                                              config.seed * 7919 + step * 104729 + rank,
+                                              concurrency=config.rollout_concurrency,
+                                              metadata={"step": step, "env": config.env}))
+
+    # The next batch's episodes may start during the update only where generation can be held
+    # until the weights are updated (the live policy's client; see trainers/rollout_thread.py).
+    prefetch = config.prefetch_rollouts and not config.rollout_model and hasattr(client, "paused")
+    rollouts = RolloutThread()
+    pending = None
+    hold: Any = contextlib.nullcontext()
+    held = False
     status = "completed"
     # The model, tokenizer, optimizer and imported modules live for the whole run: freezing them out
     # of the collector makes each full collection walk only what the steps allocate (unfrozen at
@@ -328,16 +350,17 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
         with InterruptGuard() as guard:
             for step in range(start, config.max_steps or 0):
                 t0 = time.perf_counter()
-                seeds = [config.train_seed_start + rng.randrange(config.train_seed_count)
-                         for _ in range(config.prompts_per_step)]
-                unwrapped.eval()
-                groups = asyncio.run(collect_groups(make_env, policy_def, seeds, config.num_generations,
-                                                    max_steps=config.max_env_steps,
-                                                    sample_seed=None if config.seed is None else
-                                                    config.seed * 7919 + step * 104729 + rank,
-                                                    concurrency=config.rollout_concurrency,
-                                                    metadata={"step": step, "env": config.env}))
+                if pending is None:
+                    unwrapped.eval()
+                    pending = start_rollout(step)
+                groups = pending.result()
+                pending = None
                 t_roll = time.perf_counter() - t0
+                hold = client.paused() if prefetch else contextlib.nullcontext()
+                hold.__enter__()
+                held = True
+                if prefetch and step + 1 < (config.max_steps or 0) and not guard.requested:
+                    pending = start_rollout(step + 1)  # its generation waits for hold to end
                 pad = session.tokenizer.pad_token_id if session.tokenizer.pad_token_id is not None else 0
                 costs = constraints.annotate([e for g in groups for e in g.episodes]) if constraints else []
                 batch = build_batch(groups, constraints.reward_spec(spec) if constraints else spec,
@@ -356,6 +379,9 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
                                      batch.stats)
                 session.record_trajectories([e.trajectory for g in groups for e in g.episodes], step)
                 if _nothing_to_train(batch, accel):  # e.g. every episode failed: report it, do not crash
+                    unwrapped.eval()
+                    hold.__exit__(None, None, None)
+                    held = False
                     metrics = {**_episode_stats(groups, batch), "skipped_update": 1.0, "rollout_s": t_roll,
                                "step_s": time.perf_counter() - t0}
                     history.append({"step": step + 1, **metrics})
@@ -382,6 +408,9 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
                                     clip=session.clip_gradients)
                 t_train = time.perf_counter() - t1
                 sync.push(unwrapped, step + 1)
+                unwrapped.eval()
+                hold.__exit__(None, None, None)  # the next batch's generation may start now
+                held = False
                 tokens = float(batch.attention_mask.sum())
                 metrics = {**_episode_stats(groups, batch), **m, "rollout_s": t_roll, "train_s": t_train,
                            "step_s": time.perf_counter() - t0,
@@ -397,6 +426,9 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
                     status = "interrupted"
                     break
     finally:
+        rollouts.close()  # cancels a prefetched rollout that will not be trained on (before its generation can start)
+        if held:
+            hold.__exit__(None, None, None)
         gc.unfreeze()
     sync.close()
     if status == "completed":

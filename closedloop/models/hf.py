@@ -363,17 +363,23 @@ class HFClient(ModelClient):
                 self._pausing -= 1
                 self._pausing_lock.notify_all()
 
-    def _acquire_unpaused(self) -> None:
-        """Take ``weights_lock`` for a new batch, but never ahead of a waiting :meth:`paused`.
+    def _acquire_unpaused(self) -> bool:
+        """Take ``weights_lock`` for a new batch, but never ahead of a waiting :meth:`paused`;
+        returns whether it had to wait.
 
         ``threading`` locks are not fair: a worker that just released the lock could take it
         again at once and start a new batch while a trainer waits; so it yields until no pause
         is pending.
         """
+        waited = False
         while True:
-            self.weights_lock.acquire()
+            acquired = self.weights_lock.acquire(blocking=False)
+            if not acquired:
+                waited = True
+                self.weights_lock.acquire()
             if not self._pausing:
-                return
+                return waited
+            waited = True
             self.weights_lock.release()
             with self._pausing_lock:
                 self._pausing_lock.wait_for(lambda: not self._pausing)
@@ -519,7 +525,10 @@ class HFClient(ModelClient):
                     if first is None:
                         return
                     reqs, stopping = self._gather(first, self.max_batch_size)
-                    self._acquire_unpaused()
+                    if self._acquire_unpaused() and not stopping:
+                        # what queued up during a pause (a trainer's next rollout) starts as one batch
+                        more, stopping = self._drain(self.max_batch_size - len(reqs))
+                        reqs += more
                     holding = True
                     with torch.no_grad():
                         active = self._admit(reqs, None)

@@ -175,3 +175,26 @@ async def test_cached_decode_matches_a_fresh_forward_as_rows_leave_join_and_outg
         k = len(turn.prompt_ids)
         fresh = torch.log_softmax(logits[k - 1:-1], -1).gather(1, torch.tensor(turn.completion_ids)[:, None])[:, 0]
         assert max(abs(a - b) for a, b in zip(turn.logprobs, fresh.tolist())) < 1e-4
+
+
+async def test_requests_queued_during_a_pause_start_as_one_batch(endless):
+    """A trainer's next rollout submits its requests while the update holds ``paused()``: when the
+    pause ends they are prefilled together, not the first few alone and the rest admitted later."""
+    model, tokenizer = endless
+    client = HFClient.from_model(model, tokenizer, batch_wait_ms=0, batch_gap_ms=1.0)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    await client.generate([UserMessage(content="warm")], None, params)
+    hold = client.paused()
+    hold.__enter__()
+    try:
+        jobs = []
+        for i in range(6):  # arrivals spread wider than the burst gap
+            jobs.append(asyncio.ensure_future(client.generate([UserMessage(content=f"q{i}")], None, params)))
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert not any(j.done() for j in jobs)
+    finally:
+        hold.__exit__(None, None, None)  # the lock's owner releases it (an RLock)
+    await asyncio.gather(*jobs)
+    await client.aclose()
+    assert client.batch_sizes[1:] == [6]
