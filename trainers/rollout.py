@@ -139,6 +139,8 @@ async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, m
     tools = info.get("tools") or []
     persistent = max_steps > 1  # a one-step episode never resumes its graph thread
     graph = policy.shared(tools, persistent=persistent) if share_graph else policy.build(tools, persistent=persistent)
+    # checkpoint once, as each step's run exits (LangGraph warns when there is no checkpointer to tell)
+    durability: dict[str, Any] = {"durability": "exit"} if getattr(graph, "checkpointer", None) else {}
     config: dict[str, Any] = {"configurable": {"thread_id": uuid.uuid4().hex}}
     if sample_seed is not None:
         config["configurable"][SAMPLING_SEED] = sample_seed
@@ -150,7 +152,7 @@ async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, m
     messages: list[_Message] = list(obs)
     while steps < max_steps:
         try:
-            out = await graph.ainvoke({"messages": messages[seen:]}, config, durability="exit")
+            out = await graph.ainvoke({"messages": messages[seen:]}, config, **durability)
         except Exception as e:  # a policy failure ends the episode; it is reported, not hidden
             error = f"{type(e).__name__}: {e}"
             break
