@@ -55,9 +55,10 @@ def _slack_layer_class() -> type:
                     and t.shape[:2] == buf.shape[:2] and t.stride() == buf.stride())
 
         def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-            if self.is_initialized and self._is_buffer_view(self.keys, self._buf_k) \
+            keys: Any = self.keys
+            if self.is_initialized and self._is_buffer_view(keys, self._buf_k) \
                     and self._is_buffer_view(self.values, self._buf_v):
-                n, m = self.keys.shape[-2], key_states.shape[-2]
+                n, m = keys.shape[-2], key_states.shape[-2]
                 if n + m <= self._buf_k.shape[-2]:
                     self._buf_k[..., n:n + m, :] = key_states
                     self._buf_v[..., n:n + m, :] = value_states
