@@ -112,6 +112,7 @@ class DecodeBatch:
         self.cache, self.attn, self.next_pos, self.last = cache, attn, next_pos, last
         self.greedy, self.temps, self.top_p, self.uniforms, self.max_new = greedy, temps, top_p, uniforms, max_new
         self.step = torch.zeros(len(rows), dtype=torch.long)
+        self._mergeable = _plain_layers(cache)  # the cache's layer types never change
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -158,7 +159,7 @@ class DecodeBatch:
 
     def mergeable(self) -> bool:
         """Whether rows can join this batch mid-decode (every cache layer a plain ``DynamicLayer``)."""
-        return _plain_layers(self.cache)
+        return self._mergeable
 
     def merge(self, other: "DecodeBatch") -> None:
         """Append ``other``'s rows (freshly prefilled) to this batch, left-padding the narrower side."""
