@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -120,34 +120,41 @@ def build_batch(groups: list[Group], spec: RewardSpec, *, scale: str = "group", 
                                          torch.tensor(group_ids), gamma=gamma, turn_weight=turn_weight, scale=scale,
                                          turn_baseline=turn_baseline,  # type: ignore[arg-type]
                                          missing=missing_turn_rewards)  # type: ignore[arg-type]
-    rows: list[dict[str, list]] = []
+    ids_rows: list[list[int]] = []
+    mask_rows: list[list[float]] = []
+    lp_rows: list[list[float]] = []
+    lpm_rows: list[list[float]] = []
+    turn_rows: list[list[int]] = []
+    row_turn_adv: list[list[float]] = []  # per row: its episode's per-turn advantages
     rows_per_episode: list[int] = []
     truncated = 0
     for traj, adv in zip(trajs, per_turn_adv):
         views = traj.token_view()
         rows_per_episode.append(len(views))
+        per_turn = [float(a) for a in adv]
         for v in views:
             n = len(v.input_ids) if max_length is None else min(len(v.input_ids), max_length)
             truncated += len(v.input_ids) - n
-            tok_adv = token_advantages([list(map(float, adv))], torch.tensor([v.turn_index[:n]]))[0].tolist()
-            rows.append({"ids": v.input_ids[:n], "mask": v.loss_mask[:n], "lp": v.logprobs[:n],
-                         "lpm": v.logprob_mask[:n], "adv": tok_adv})
-    width = max((len(r["ids"]) for r in rows), default=1)
-    b = len(rows)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, width), dtype=torch.long)
-    mask = torch.zeros((b, width))
-    old = torch.zeros((b, width))
-    lpm = torch.zeros((b, width))
-    advs = torch.zeros((b, width))
-    for i, r in enumerate(rows):  # right padding: training needs no KV cache alignment
-        n = len(r["ids"])
-        ids[i, :n] = torch.tensor(r["ids"])
-        attn[i, :n] = 1
-        mask[i, :n] = torch.tensor(r["mask"], dtype=torch.float32)
-        old[i, :n] = torch.tensor(r["lp"], dtype=torch.float32)
-        lpm[i, :n] = torch.tensor(r["lpm"], dtype=torch.float32)
-        advs[i, :n] = torch.tensor(r["adv"], dtype=torch.float32)
+            turn_rows.append(list(v.turn_index[:n]))
+            row_turn_adv.append(per_turn)
+            ids_rows.append(list(v.input_ids[:n]))
+            mask_rows.append(list(v.loss_mask[:n]))
+            lp_rows.append(list(v.logprobs[:n]))
+            lpm_rows.append(list(v.logprob_mask[:n]))
+    width = max((len(r) for r in ids_rows), default=1)
+
+    def padded(rows: list[list[Any]], value: Any, dtype: torch.dtype) -> torch.Tensor:
+        # right padding (training needs no KV cache alignment); one tensor per field, not per row
+        if not rows:
+            return torch.full((0, width), value, dtype=dtype)
+        return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+    ids = padded(ids_rows, pad_id, torch.long)
+    attn = padded([[1] * len(r) for r in ids_rows], 0, torch.long)
+    mask = padded(mask_rows, 0.0, torch.float32)
+    old = padded(lp_rows, 0.0, torch.float32)
+    lpm = padded(lpm_rows, 0.0, torch.float32)
+    advs = token_advantages(row_turn_adv, padded(turn_rows, -1, torch.long)) if ids_rows else mask.clone()
     stats: dict[str, float] = {"reward": float(sum(finals) / max(len(finals), 1))}
     for k, vs in comp_sums.items():
         stats[f"rewards/{k}"] = sum(vs) / len(vs)
