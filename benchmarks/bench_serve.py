@@ -11,6 +11,11 @@ and "mean rows" is how many rows its decode steps carried on average.
     python benchmarks/bench_serve.py                      # builds the tiny model into a temp dir
     python benchmarks/bench_serve.py --model /path/to/ckpt --concurrency 1 8 32 --requests 160
     python benchmarks/bench_serve.py --peer none          # ours only
+    python benchmarks/bench_serve.py --in-process         # also hf: without HTTP: the decoder's ceiling
+
+``--in-process`` adds a column: the same prompts and concurrencies through ``HFClient`` in this
+process (no HTTP, no server, no load-generator process), i.e. what the decode worker alone
+sustains; the gap to the server's figure is the HTTP layer sharing the server's GIL and CPU.
 """
 
 from __future__ import annotations
@@ -187,6 +192,40 @@ async def run_level(url: str, concurrency: int, n_requests: int, max_tokens: int
     return _level(concurrency, n_requests, wall, tokens, latencies, before, after)
 
 
+def in_process(model: Path, args: argparse.Namespace, prompts: list[str]) -> list[float]:
+    """Requests/s of ``HFClient`` driven directly, at each concurrency (see the module docstring)."""
+    import torch
+
+    from closedloop.models.hf import HFClient
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    client = HFClient.from_pretrained(model, max_batch_size=args.max_batch_size, batch_wait_ms=0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, seed=args.seed)
+
+    async def level(concurrency: int, n: int) -> float:
+        next_i = 0
+
+        async def worker() -> None:
+            nonlocal next_i
+            while next_i < n:
+                i = next_i
+                next_i += 1
+                await client.generate([UserMessage(content=prompts[i % len(prompts)])], None, params)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return n / (time.perf_counter() - start)
+
+    async def run() -> list[float]:
+        await level(1, 2)  # warm-up
+        out = [await level(c, args.requests) for c in args.concurrency]
+        await client.aclose()
+        return out
+
+    return asyncio.run(run())
+
+
 def batch_stats(url: str) -> dict | None:
     """The server's batching record (admissions, decode steps and rows), if it keeps one."""
     try:
@@ -195,13 +234,16 @@ def batch_stats(url: str) -> dict | None:
         return None  # a peer without our /health record
 
 
-def report(levels: list[Level], console: Console, title: str, peer: list[Level] | None = None) -> None:
+def report(levels: list[Level], console: Console, title: str, peer: list[Level] | None = None,
+           inproc: list[float] | None = None) -> None:
     base = levels[0].rps
     table = Table(title=title)
     cols = ["clients", "requests", "wall s", "req/s", "tok/s", "p50 lat s", "p95 lat s", "mean batch", "mean rows",
             f"req/s vs {levels[0].concurrency} client(s)"]
     if peer:
         cols += ["peer req/s", "peer tok/s", "peer p50 s", "ours / peer"]
+    if inproc:
+        cols += ["in-process req/s"]
     for col in cols:
         table.add_column(col, justify="right")
     for k, lv in enumerate(levels):
@@ -215,6 +257,8 @@ def report(levels: list[Level], console: Console, title: str, peer: list[Level] 
             other = peer[k]
             row += [f"{other.rps:.2f}", f"{other.tps:.1f}", f"{statistics.median(other.latencies):.3f}",
                     f"{lv.rps / other.rps:.2f}x"]
+        if inproc:
+            row += [f"{inproc[k]:.2f}"]
         table.add_row(*row)
     console.print(table)
 
@@ -250,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client", choices=["http", "closedloop"], default="http",
                     help="load generator: plain httpx requests (default), or our openai: client asking for token "
                          "ids and logprobs (heavier: on a small machine it can be the bottleneck for both servers)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="also drive hf: directly in this process (no HTTP): the decode worker's ceiling")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
     console = Console(width=max(Console().width, 110))
@@ -285,16 +331,18 @@ def main(argv: list[str] | None = None) -> int:
             levels = measure(f"http://127.0.0.1:{port}/v1", args, "tiny", prompts)
         finally:
             stop(proc)
+        inproc = in_process(model, args, prompts) if args.in_process else None
     finally:
         if tmp is not None:
             tmp.cleanup()
     report(levels, console, f"closedloop serve, hf:{model.name}, max_tokens={args.max_tokens}, temperature=0, "
                             f"max batch {args.max_batch_size}, torch threads {args.torch_threads or 'default'}, "
                             f"{os.cpu_count()} CPUs, {args.client} client" + ("; peer: transformers serve --continuous-batching"
-                                                         if peer else ""), peer)
+                                                         if peer else ""), peer, inproc)
     if args.json:
         rows = lambda lvs: [{**asdict(lv), "rps": lv.rps, "tps": lv.tps} for lv in lvs or []]  # noqa: E731
-        args.json.write_text(json.dumps({"closedloop": rows(levels), "peer": rows(peer)}, indent=2))
+        args.json.write_text(json.dumps({"closedloop": rows(levels), "peer": rows(peer), "in_process_rps": inproc},
+                                        indent=2))
     return 0
 
 
