@@ -150,6 +150,11 @@ class _Row:
     error: BaseException | None = None
 
 
+def _live_rows(batch: DecodeBatch) -> list[int]:
+    """Indices of the rows still decoding (finished ones may stay in the batch for a while)."""
+    return [i for i, r in enumerate(batch.rows) if r.finish is None]
+
+
 class HFClient(ModelClient):
     """A transformers causal LM behind the :class:`ModelClient` interface.
 
@@ -532,16 +537,17 @@ class HFClient(ModelClient):
                     holding = True
                     with torch.no_grad():
                         active = self._admit(reqs, None)
-                elif not stopping and not self._pausing and len(active) < self.max_batch_size and active.mergeable():
+                elif not stopping and not self._pausing and active.mergeable() \
+                        and (running := len(_live_rows(active))) < self.max_batch_size:
                     waiting = self._queue.qsize()
                     if waiting and first_wait is None:
                         first_wait = self.decode_steps
                     # Each admission costs a prefill pass, about one decode step: a busy batch lets
                     # newcomers gather for up to _ADMIT_AFTER_STEPS steps (or until enough wait).
-                    if waiting and (waiting >= max(1, len(active) // 8)
+                    if waiting and (waiting >= max(1, running // 8)
                                     or self.decode_steps - (first_wait or 0) >= _ADMIT_AFTER_STEPS):
                         first_wait = None
-                        reqs, stopping = self._drain(self.max_batch_size - len(active))
+                        reqs, stopping = self._drain(self.max_batch_size - running)
                         if reqs:
                             with torch.no_grad():
                                 active = self._admit(reqs, active)
@@ -582,6 +588,9 @@ class HFClient(ModelClient):
                                         extra_inputs=self._prefill_inputs(rows, device))
             if active is None:
                 return fresh
+            live = _live_rows(active)
+            if len(live) < len(active):
+                active.keep(live)  # finished rows leave before the copy a merge makes anyway
             active.merge(fresh)
             return active
         except Exception as e:  # the newcomers fail; rows already decoding go on
@@ -594,7 +603,7 @@ class HFClient(ModelClient):
         import torch
 
         try:
-            gone = [i for i, r in enumerate(batch.rows) if r.req.cancelled.is_set()]
+            gone = [i for i, r in enumerate(batch.rows) if r.finish is None and r.req.cancelled.is_set()]
             if gone:  # callers that went away: their rows leave the batch (and its KV cache) now
                 self.cancelled_rows += len(gone)
                 batch.keep([i for i in range(len(batch)) if i not in set(gone)])
@@ -603,14 +612,16 @@ class HFClient(ModelClient):
             tokens, ended = self._sample(batch)
             if ended:
                 settle_many([self._outcome(batch.rows[i]) for i in ended])
-            if ended:
-                stay = [i for i in range(len(batch)) if i not in set(ended)]
-                if not stay:
-                    return None
-                batch.keep(stay)
-                tokens = tokens[torch.tensor(stay, dtype=torch.long)]
+            live = _live_rows(batch)
+            if not live:
+                return None
+            # A finished row stays in the batch (decoding into nothing) until a quarter of the batch
+            # is finished or rows join: each cut copies the whole KV cache, about a decode step.
+            if len(live) < len(batch) and (4 * (len(batch) - len(live)) >= len(batch) or not batch.mergeable()):
+                batch.keep(live)
+                tokens = tokens[torch.tensor(live, dtype=torch.long)]
             self.decode_steps += 1
-            self.decode_rows += len(batch)
+            self.decode_rows += len(live)
             batch.forward(self.model, tokens, self._cache_kw, mask_4d=self._step_mask_4d)
             return batch
         except Exception as e:
@@ -645,6 +656,8 @@ class HFClient(ModelClient):
         batch.step += 1
         ended: list[int] = []
         for i, (r, token, lp, bad) in enumerate(zip(batch.rows, tokens.tolist(), chosen.tolist(), broken.tolist())):
+            if r.finish is not None:  # finished at an earlier step, not yet cut out of the batch
+                continue
             if bad:
                 r.error = ModelError(f"the model produced non-finite logits at step {len(r.ids)} of this request")
                 r.finish = "error"

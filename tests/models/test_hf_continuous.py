@@ -198,3 +198,29 @@ async def test_requests_queued_during_a_pause_start_as_one_batch(endless):
     await asyncio.gather(*jobs)
     await client.aclose()
     assert client.batch_sizes[1:] == [6]
+
+
+async def test_rows_that_finish_early_stay_exact_while_they_linger_in_the_batch(endless):
+    """A finished row may stay in the running batch (its cache is cut out only once a quarter of
+    the rows are done, or when rows join): the rows still decoding keep the tokens of their solo
+    decode and the logprobs of a fresh forward pass, and nobody receives a lingering row's tokens."""
+    import torch
+
+    model, tokenizer = endless
+    client = HFClient.from_model(model, tokenizer, batch_wait_ms=50, max_batch_size=8)
+    budgets = [3, 40, 5, 33, 7, 26, 9, 18]
+    params = [SamplingParams(temperature=1.0, seed=40 + i, max_tokens=n) for i, n in enumerate(budgets)]
+    prompts = [f"row {i} " + "x " * i for i in range(len(budgets))]
+    turns = await asyncio.gather(*(client.generate([UserMessage(content=p)], None, q) for p, q in zip(prompts, params)))
+    await client.aclose()
+    assert client.batch_sizes == [8]
+    for p, q, turn in zip(prompts, params, turns):
+        assert len(turn.completion_ids) == q.max_tokens
+        solo = await _alone(model, tokenizer, [UserMessage(content=p)], q)
+        assert turn.completion_ids == solo.completion_ids
+        ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].float()
+        k = len(turn.prompt_ids)
+        fresh = torch.log_softmax(logits[k - 1:-1], -1).gather(1, torch.tensor(turn.completion_ids)[:, None])[:, 0]
+        assert max(abs(a - b) for a, b in zip(turn.logprobs, fresh.tolist())) < 1e-4
