@@ -8,10 +8,16 @@ and settings except the reward:
   (turn-level advantages, ``turn_reward_components=[info_gain]``), credited to the turn that
   asked: ``--gamma 0`` (default) makes a turn's return-to-go its own gain. With γ = 1 the
   return-to-go of *any* question, an uninformative one included, is the gain of the rest of the
-  episode, so the per-turn reward cannot single out the question that told nothing. Returns are
-  compared with the same-numbered turns of the group (``--turn-baseline position``, default):
-  with the trainer's pooled baseline (``group``) the final submit, which never gains information,
-  is pushed down in every episode, and the IG policy unlearns submitting (measured below).
+  episode, so the per-turn reward cannot single out the question that told nothing. Questions are
+  compared only with questions (``--missing-turn-rewards exclude``, default): a turn that asks
+  nothing (the submit) has no information gain at all, not a gain of 0 (``clarify`` names
+  ``info_gain`` in ``info["inapplicable_rewards"]`` on such a step), so it gets no turn advantage
+  and stays out of the baseline, which pools the group's questions (``--turn-baseline group``,
+  default). With ``zero`` (the trainer's default) the submit counts as a gain of 0 and is compared
+  with questions: pooled (``group``), it is pushed down in every episode and the IG policy
+  unlearns submitting; per turn index (``position``), a submit after two good questions is pushed
+  down whenever another episode of the group asks its first new question at that index after a
+  repeat, which rewards asking as such (both measured below, "before").
 
 All three policies are then evaluated on the same held-out seeds, greedily and sampled at T = 1
 (``--eval-temperatures``): success (Wilson 95% CI), mean questions, mean uninformative questions
@@ -36,20 +42,137 @@ Tasks (``--task``):
   questions per episode.
 
 ``--env-options JSON`` overrides any environment option of the chosen task; ``--sft-model``
-reuses an SFT checkpoint (a second GRPO seed from the same start).
+reuses an SFT checkpoint (a second GRPO seed from the same start); ``--eval-steps 10`` also
+evaluates (sampled) each arm's checkpoint after 10 GRPO steps; ``--no-eval-sft`` skips the SFT row.
 
     python benchmarks/bench_clarify_ig.py --model PATH_TO_TINY --out out/clarify-ig     # ~20 min, 2 CPU cores
     python benchmarks/bench_clarify_ig.py --quick                                       # a smoke run
 
 Measured
 --------
-2 shared CPU cores, the shared prebuilt tiny model ($TINY, 150k parameters), task ``tiny``, SFT 4000
-expert episodes × 500 steps (470 s), GRPO 25 steps × 64 episodes per arm (~4-6 min each), 200
-held-out seeds; success [Wilson 95% CI] / questions / uninformative questions per episode.
-Commands (``B=benchmarks/bench_clarify_ig.py``, ``S="--sft-model out/clarify-ig/sft --grpo-steps 25"``)::
+2 shared CPU cores (busy with other work), the shared prebuilt tiny model ($TINY, 150k parameters),
+task ``tiny``, SFT 4000 expert episodes × 500 steps (470 s), GRPO 25 steps × 64 episodes per arm
+(3-4 min each), 200 held-out seeds, evaluated greedily and sampled (T = 1).
+
+**Questions compared only with questions** (``--missing-turn-rewards exclude``), from the same SFT
+start (``out/clarify-ig/sft``, below), both arms of a seed in one process (the shared model and
+rollout code changed between processes of this series; the lead reports those changes
+token-identical, but only the two arms of one invocation are guaranteed the same code). Commands
+(``B=benchmarks/bench_clarify_ig.py``, ``S="--sft-model out/clarify-ig/sft --grpo-steps 25
+--eval-steps 10 --no-eval-sft"``)::
+
+    for seed in 0 1 2; do
+      python $B $S --out out/clarify-ig2/cost --seed $seed                                  # 474-527 s each
+      python $B $S --out out/clarify-ig2/nocost --env-options '{"turn_cost": 0}' --seed $seed   # 439-522 s
+    done
+    python $B $S --out out/clarify-ig2/nocost6 --env-options '{"turn_cost": 0, "max_turns": 6}' --seed 0  # 1057 s
+    for seed in 0 1 2; do  # IG arm only, baseline per turn index
+      python $B $S --arms ig --turn-baseline position --out out/clarify-ig2/cost --seed $seed
+      python $B $S --arms ig --turn-baseline position --out out/clarify-ig2/nocost \
+          --env-options '{"turn_cost": 0}' --seed $seed
+    done
+
+Sampled (T = 1), each cell success / questions / uninformative questions per episode (a cell's
+Wilson 95% CI on success is about ± 0.07 at 200 episodes); "IG" pools the group's questions
+(``--turn-baseline group``), "IG pos" compares each question with the group's questions at the
+same turn index (``position``); "@ 10" is the run's checkpoint after 10 GRPO steps:
+
+==============================  =================  =================  =================  =================
+arm @ GRPO step (cost, turns)   seed 0             seed 1             seed 2             mean
+==============================  =================  =================  =================  =================
+success @ 10 (0.05, 4)          0.480 1.89 0.095   0.540 1.93 0.130   0.620 1.92 0.060   0.547 1.91 0.095
+IG @ 10 (0.05, 4)               0.420 1.79 0.050   0.475 1.89 0.085   0.440 1.90 0.050   0.445 1.86 0.062
+IG pos @ 10 (0.05, 4)           0.495 1.97 0.105   0.520 2.11 0.245   0.565 1.92 0.055   0.527 2.00 0.135
+success @ 25 (0.05, 4)          0.690 1.92 0.030   0.680 1.99 0.130   0.610 2.06 0.195   0.660 1.99 0.118
+IG @ 25 (0.05, 4)               0.615 1.85 0.020   0.620 1.92 0.020   0.500 1.92 0.055   0.578 1.90 0.032
+IG pos @ 25 (0.05, 4)           0.665 1.98 0.075   0.620 1.95 0.090   0.635 1.89 0.030   0.640 1.94 0.065
+success @ 10 (0, 4)             0.580 2.02 0.185   0.530 1.95 0.150   0.625 1.94 0.070   0.578 1.97 0.135
+IG @ 10 (0, 4)                  0.430 1.84 0.060   0.545 1.95 0.095   0.400 1.89 0.035   0.458 1.89 0.063
+IG pos @ 10 (0, 4)              0.550 2.06 0.215   0.540 2.02 0.165   0.350 1.95 0.090   0.480 2.01 0.157
+success @ 25 (0, 4)             0.660 1.97 0.135   0.645 1.94 0.070   0.625 1.84 0.055   0.643 1.92 0.087
+IG @ 25 (0, 4)                  0.630 1.83 0.025   0.645 1.88 0.030   0.580 1.89 0.035   0.618 1.87 0.030
+IG pos @ 25 (0, 4)              0.615 2.06 0.215   0.680 1.93 0.020   0.500 1.90 0.050   0.598 1.96 0.095
+success @ 10 (0, 6)             0.350 2.03 0.280   -                  -                  0.350 2.03 0.280
+IG @ 10 (0, 6)                  0.245 1.46 0.035   -                  -                  0.245 1.46 0.035
+success @ 25 (0, 6)             0.615 2.27 0.395   -                  -                  0.615 2.27 0.395
+IG @ 25 (0, 6)                  0.525 1.76 0.045   -                  -                  0.525 1.76 0.045
+==============================  =================  =================  =================  =================
+
+IG − success only, success pooled over the seeds (normal approximation over 200 × seeds episodes
+per arm; it ignores the variance between training seeds, so it understates the uncertainty),
+and the per-seed difference in uninformative questions per episode::
+
+    ig (0.05, 4) @ 10: success -0.102 [-0.158, -0.045]; uninformative per seed -0.045, -0.045, -0.010
+    ig (0.05, 4) @ 25: success -0.082 [-0.136, -0.027]; uninformative per seed -0.010, -0.110, -0.140
+    igpos (0.05, 4) @ 10: success -0.020 [-0.076, +0.036]; uninformative per seed +0.010, +0.115, -0.005
+    igpos (0.05, 4) @ 25: success -0.020 [-0.074, +0.034]; uninformative per seed +0.045, -0.040, -0.165
+    ig (0, 4) @ 10: success -0.120 [-0.176, -0.064]; uninformative per seed -0.125, -0.055, -0.035
+    ig (0, 4) @ 25: success -0.025 [-0.080, +0.030]; uninformative per seed -0.110, -0.040, -0.020
+    igpos (0, 4) @ 10: success -0.098 [-0.155, -0.042]; uninformative per seed +0.030, +0.015, +0.020
+    igpos (0, 4) @ 25: success -0.045 [-0.100, +0.010]; uninformative per seed +0.080, -0.050, -0.005
+    ig (0, 6) @ 10: success -0.105 [-0.194, -0.016]; uninformative per seed -0.245
+    ig (0, 6) @ 25: success -0.090 [-0.187, +0.007]; uninformative per seed -0.350
+
+Greedy, success / uninformative per seed::
+
+    (0.05, 4) success 0.950/0.000, 1.000/0.000, 0.940/0.050; IG 0.970/0.000, 0.965/0.005, 0.930/0.000;
+              IG pos 0.955/0.000, 0.980/0.005, 0.980/0.000
+    (0, 4)    success 1.000/0.000, 1.000/0.000, 0.985/0.005; IG 0.965/0.000, 1.000/0.000, 1.000/0.000;
+              IG pos 0.965/0.035, 1.000/0.000, 1.000/0.000
+    (0, 6)    success 1.000/0.000; IG 0.875/0.000
+
+Reading: the paper's sign is shown only in part. Comparing questions only with questions, the
+pooled IG arm asks fewer uninformative questions than success only in every seed and setting, but
+at equal success (within CIs, pooled over seeds) only without a turn cost in 4 turns; elsewhere its
+success is lower. The per-index arm keeps success but does not reduce them consistently.
+
+- Pooled over the group's questions ("IG", ``group`` + ``exclude``): fewer uninformative questions
+  than success only in every pair (3 seeds × 2 settings × 2 checkpoints, plus the 6-turn seed at
+  both: 14 of 14; means at 25 steps 0.032 vs 0.118 with turn cost, 0.030 vs 0.087 without, 0.045 vs 0.395
+  with 6 turns), and sooner (at 10 steps 0.062 vs 0.095 and 0.063 vs 0.135), but at a cost in
+  success: lower in 6 of 7 pairs at 25 steps (equal in 1; every pair's CIs overlap), pooled
+  −0.082 [−0.136, −0.027] with turn cost, −0.025 [−0.080, +0.030] without, −0.090 [−0.187, +0.007]
+  with 6 turns, and −0.10 to −0.12 (CIs exclude 0) at 10 steps. The sign ("fewer uninformative
+  questions at equal or better success") holds in one setting: no turn cost, 4 turns, 25 steps.
+  Where the success goes (turn cost, final policies, ``benchmarks/clarify_ig_failures.py
+  out/clarify-ig2/cost``, which reproduces the table's success exactly): not to guessing (no
+  episode of either arm submits a wrong guess) but to submitting: episodes whose answers had
+  identified the goal and that then never made a valid submit within the 4 turns, IG vs success
+  only, 52 vs 47, 58 vs 42, 72 vs 56 of 200 (seeds 0-2); not identified 21 vs 14, 14 vs 17, 19 vs
+  17. The IG policy also asks fewer questions in all (means 1.87-1.90 vs 1.92-1.99 in 4 turns;
+  1.76 vs 2.27 in 6 turns, 1.46 at 10 steps; 2 are needed) and in 4 turns truncates more rollouts
+  while training (34-40 vs 30-32 of 64 per step, mean of steps 1-10; the per-index arm 32-38).
+  Why (an analysis, not measured): the turn term is large and concentrated (σ is small when
+  uninformative questions are rare: one zero among 17 questions gets A^turn ≈ −3.9) on turns whose
+  tool-call tokens a submit shares except the name and argument; and the pooled baseline mixes
+  turn indices (a first question always gains ln 2, later ones less on average), so it also says
+  *whether* to ask at a turn, not only *which* question.
+- Per turn index ("IG pos", ``position`` + ``exclude``), which removes that mixing: success at 25
+  steps within the CIs of success only (pooled −0.020 [−0.074, +0.034] with turn cost, −0.045
+  [−0.100, +0.010] without; at 10 steps without turn cost −0.098 [−0.155, −0.042]), but fewer
+  uninformative questions in only 4 of 6 pairs at 25 steps (two of them by 0.005 and 0.040; means
+  0.065 vs 0.118 with turn cost, 0.095 vs 0.087 without) and in 1 of 6 at 10 steps: no consistent
+  sign.
+- The exclusion itself does what it is for: with ``zero`` and the pooled baseline the IG policy
+  stopped submitting ("before": 0.500 success, truncation 22-49 of 64); with ``exclude`` both
+  baselines keep submitting, and greedy success stays 0.93-1.00 (0.875 for the 6-turn IG arm).
+
+So on this task the per-turn information gain does remove uninformative questions that success-only
+GRPO leaves (most clearly without a turn cost, where success only has the weakest pressure against
+them), but with the pooled baseline it trades success for it, and with the per-index baseline the
+reduction is not consistent across seeds. Not tuned: ``--ig-weight`` (irrelevant under
+σ-scaling), ``turn_weight`` 1, ``scale_rewards`` group, lr 5e-4 are as before; every finished run
+is in the table (the 6-turn setting has one seed: its seed-1 run was stopped during training to
+make room for the per-index arm, seed 2 never started).
+
+**Before: the submit compared with questions** (``--missing-turn-rewards zero``, the trainer's
+default; previous session, its code), SFT included; success [Wilson 95% CI] / questions /
+uninformative questions per episode. Commands (``S="--sft-model out/clarify-ig/sft --grpo-steps 25
+--turn-baseline position --missing-turn-rewards zero"``; the option did not exist then, zero was
+the only rule)::
 
     python $B --model $TINY --out out/clarify-ig --grpo-steps 25 --seed 0 \
-        --turn-baseline group                           # SFT + rows 2-3, 1172 s
+        --turn-baseline group --missing-turn-rewards zero                                # SFT + rows 2-3, 1172 s
     python $B $S --out out/clarify-ig --arms ig --seed 0                                  # row 4, 289 s
     python $B $S --out out/clarify-ig --seed 1                                            # rows 9-10, 438 s
     python $B $S --out out/clarify-ig-nocost --env-options '{"turn_cost": 0}' --seed 0    # rows 5-6, 513 s
@@ -77,7 +200,7 @@ success only (0, -, 0), max_turns 6         0.625 [0.556, 0.689]   2.13  0.255
 IG 0.5/nat (0, position, 0), max_turns 6    0.630 [0.561, 0.694]   2.37  0.455
 ==========================================  =====================  ====  =====
 
-Reading: the paper's sign is NOT shown. SFT leaves the sampled policy with 0.9 uninformative
+Reading then: the paper's sign is NOT shown. SFT leaves the sampled policy with 0.9 uninformative
 questions per episode; both GRPO arms (position baseline) remove most of them at the same budget
 and reach the same success (every pair of CIs overlaps), and which arm keeps fewer flips with the
 seed (IG vs success only: 0.070 vs 0.030 and 0.070 vs 0.105 with turn cost; 0.115 vs 0.170 and
@@ -192,7 +315,8 @@ def main() -> None:
         if name not in arms:
             continue
         t1 = time.perf_counter()
-        tag = (f"-{args.turn_baseline}" + ("-exclude" if args.missing_turn_rewards == "exclude" else "")) if turn else ""
+        excluded = "-exclude" if args.missing_turn_rewards == "exclude" else ""
+        tag = f"-{args.turn_baseline}{excluded}" if turn else ""
         cfg = GRPOConfig(model=str(sft_dir), output_dir=str(out / f"grpo-{name}{tag}-s{args.seed}"), env="clarify",
                          env_options={**opts, "info_gain_weight": weight}, turn_reward_components=turn,
                          turn_baseline=args.turn_baseline if turn else "group",
