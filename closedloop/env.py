@@ -20,7 +20,10 @@ A terminated or truncated episode must be reset before the next step.
 Conventions of the built-in environments (``closedloop.evals.envs``: ``calc``, ``clarify``): the
 same seed gives the same episode; ``areset(None)`` draws a fresh seed and reports it in
 ``info["seed"]``; every step's ``info["rewards"]`` has the same keys (0.0 where a component does
-not apply), so per-component logs line up; a malformed action (unknown tool, bad JSON, no
+not apply), so per-component logs line up, and ``info["inapplicable_rewards"]`` lists the ones
+that are 0.0 only because they do not apply to this step (``clarify``'s ``info_gain`` on a step
+that asks nothing), so a trainer can give that turn no per-turn reward rather than a reward of 0
+(``GRPOConfig.missing_turn_rewards``); a malformed action (unknown tool, bad JSON, no
 answer) is answered with an error message the agent sees, and the episode goes on.
 """
 
