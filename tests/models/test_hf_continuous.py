@@ -30,6 +30,17 @@ def endless(tiny_model_path):
     return model, tokenizer
 
 
+def _fresh_logprobs(model, turn):
+    """The turn's token logprobs from one plain forward pass over prompt + completion, no cache."""
+    import torch
+
+    ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    k = len(turn.prompt_ids)
+    return torch.log_softmax(logits[k - 1:-1], -1).gather(1, torch.tensor(turn.completion_ids)[:, None])[:, 0].tolist()
+
+
 async def _alone(model, tokenizer, msgs, params):
     client = HFClient.from_model(model, tokenizer, batch_wait_ms=0)
     try:
@@ -152,7 +163,6 @@ async def test_cached_decode_matches_a_fresh_forward_as_rows_leave_join_and_outg
     """The decode fast paths (KV layers with spare columns written in place, a 4D step mask) give
     the logprobs of a plain full forward pass without any cache, for rows that join a running
     batch, outlive rows that leave it, and decode past the cache's spare room."""
-    import torch
 
     from closedloop.models.decode_batch import SLACK_TOKENS
 
@@ -169,12 +179,7 @@ async def test_cached_decode_matches_a_fresh_forward_as_rows_leave_join_and_outg
     assert len(client.batch_sizes) > 1, "the requests should have joined a running batch"
     for turn, n in zip(turns, budgets):
         assert len(turn.completion_ids) == n
-        ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0].float()
-        k = len(turn.prompt_ids)
-        fresh = torch.log_softmax(logits[k - 1:-1], -1).gather(1, torch.tensor(turn.completion_ids)[:, None])[:, 0]
-        assert max(abs(a - b) for a, b in zip(turn.logprobs, fresh.tolist())) < 1e-4
+        assert max(abs(a - b) for a, b in zip(turn.logprobs, _fresh_logprobs(model, turn))) < 1e-4
 
 
 async def test_requests_queued_during_a_pause_start_as_one_batch(endless):
@@ -204,7 +209,6 @@ async def test_rows_that_finish_early_stay_exact_while_they_linger_in_the_batch(
     """A finished row may stay in the running batch (its cache is cut out only once a quarter of
     the rows are done, or when rows join): the rows still decoding keep the tokens of their solo
     decode and the logprobs of a fresh forward pass, and nobody receives a lingering row's tokens."""
-    import torch
 
     model, tokenizer = endless
     client = HFClient.from_model(model, tokenizer, batch_wait_ms=50, max_batch_size=8)
@@ -218,9 +222,4 @@ async def test_rows_that_finish_early_stay_exact_while_they_linger_in_the_batch(
         assert len(turn.completion_ids) == q.max_tokens
         solo = await _alone(model, tokenizer, [UserMessage(content=p)], q)
         assert turn.completion_ids == solo.completion_ids
-        ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0].float()
-        k = len(turn.prompt_ids)
-        fresh = torch.log_softmax(logits[k - 1:-1], -1).gather(1, torch.tensor(turn.completion_ids)[:, None])[:, 0]
-        assert max(abs(a - b) for a, b in zip(turn.logprobs, fresh.tolist())) < 1e-4
+        assert max(abs(a - b) for a, b in zip(turn.logprobs, _fresh_logprobs(model, turn))) < 1e-4
