@@ -338,8 +338,7 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
     prefetch = config.prefetch_rollouts and not config.rollout_model and hasattr(client, "paused")
     rollouts = RolloutThread()
     pending = None
-    hold: Any = contextlib.nullcontext()
-    held = False
+    hold = contextlib.ExitStack()  # holds client.paused() from a prefetch until the update is done
     status = "completed"
     # The model, tokenizer, optimizer and imported modules live for the whole run: freezing them out
     # of the collector makes each full collection walk only what the steps allocate (unfrozen at
@@ -356,9 +355,8 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
                 groups = pending.result()
                 pending = None
                 t_roll = time.perf_counter() - t0
-                hold = client.paused() if prefetch else contextlib.nullcontext()
-                hold.__enter__()
-                held = True
+                if prefetch:
+                    hold.enter_context(client.paused())
                 if prefetch and step + 1 < (config.max_steps or 0) and not guard.requested:
                     pending = start_rollout(step + 1)  # its generation waits for hold to end
                 pad = session.tokenizer.pad_token_id if session.tokenizer.pad_token_id is not None else 0
@@ -380,8 +378,7 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
                 session.record_trajectories([e.trajectory for g in groups for e in g.episodes], step)
                 if _nothing_to_train(batch, accel):  # e.g. every episode failed: report it, do not crash
                     unwrapped.eval()
-                    hold.__exit__(None, None, None)
-                    held = False
+                    hold.close()
                     metrics = {**_episode_stats(groups, batch), "skipped_update": 1.0, "rollout_s": t_roll,
                                "step_s": time.perf_counter() - t0}
                     history.append({"step": step + 1, **metrics})
@@ -409,8 +406,7 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
                 t_train = time.perf_counter() - t1
                 sync.push(unwrapped, step + 1)
                 unwrapped.eval()
-                hold.__exit__(None, None, None)  # the next batch's generation may start now
-                held = False
+                hold.close()  # the next batch's generation may start now
                 tokens = float(batch.attention_mask.sum())
                 metrics = {**_episode_stats(groups, batch), **m, "rollout_s": t_roll, "train_s": t_train,
                            "step_s": time.perf_counter() - t0,
@@ -427,8 +423,7 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
                     break
     finally:
         rollouts.close()  # cancels a prefetched rollout that will not be trained on (before its generation can start)
-        if held:
-            hold.__exit__(None, None, None)
+        hold.close()
         gc.unfreeze()
     sync.close()
     if status == "completed":
