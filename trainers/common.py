@@ -105,8 +105,13 @@ def build_optimizer(model: Any, config: TrainConfig) -> Any:
     if not decay and not no_decay:
         raise ValueError("the model has no trainable parameters")
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # torch picks the multi-tensor (foreach) update only on CUDA; on the CPU it loops over parameters in
+    # Python, one GIL hand-off per op, which stalls the trainer whenever a rollout thread holds the GIL.
+    # The foreach update computes the same numbers (tests/trainers/test_optimizer.py).
+    on_cpu = all(p.device.type == "cpu" for p in decay + no_decay)
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.learning_rate,
-                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
+                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
+                             foreach=True if on_cpu else None)
 
 
 def build_scheduler(optimizer: Any, config: TrainConfig, total_steps: int) -> Any:

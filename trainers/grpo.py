@@ -42,8 +42,8 @@ from closedloop.models.base import SamplingParams
 from closedloop.trainers.config import TrainConfig
 from closedloop.trainers.constrained import ConstraintSet, CostConstraint
 from closedloop.trainers.grpo_batch import RewardSpec, RolloutBatch, build_batch, load_reward_fn
-from closedloop.trainers.losses import LOSS_TYPES, entropy_from_logits, grpo_loss, importance_sampling_weights, \
-    token_logprobs
+from closedloop.trainers.losses import LOSS_TYPES, entropy_from_logits, gather_logps, grpo_loss, \
+    importance_sampling_weights
 from closedloop.trainers.rollout import EnvFactory, GraphPolicy, Group, collect_groups
 from closedloop.trainers.rollout_thread import RolloutThread
 
@@ -139,52 +139,62 @@ def reward_spec(config: GRPOConfig) -> RewardSpec:
                       functions=dict(load_reward_fn(p) for p in config.reward_funcs))
 
 
-def _first_loss_column(mask: torch.Tensor) -> int:
-    """The first column any row trains on (at least 1: column 0 has no logprob)."""
-    cols = mask[:, 1:].bool().any(0).nonzero()
-    return int(cols[0]) + 1 if cols.numel() else mask.shape[1]
+def predicting_positions(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: the positions whose logits predict a trained token (position t-1 predicts
+    token t; column 0 is predicted by nothing)."""
+    pred = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device)
+    pred[:, :-1] = mask[:, 1:] != 0
+    return pred
 
 
-def policy_logits(model: Any, ids: torch.Tensor, attn: torch.Tensor, start: int) -> torch.Tensor:
-    """Float logits of the positions ``start - 1 .. T - 1`` only: the ones that predict tokens
-    ``start ..``. The LM head (and its backward) then skips the shared context every row starts
-    with, as TRL's ``logits_to_keep``; the hidden states, hence the numbers, are unchanged."""
-    keep = ids.shape[1] - start + 1
-    if keep < ids.shape[1] and _takes_logits_to_keep(model):
-        return model(input_ids=ids, attention_mask=attn, logits_to_keep=keep).logits.float()
-    return model(input_ids=ids, attention_mask=attn).logits.float()[:, start - 1:]
+def policy_logits(model: Any, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Float logits ``[N, V]`` of only the N positions that predict a token ``mask`` trains, in
+    row-major order (:func:`predicting_positions`). The LM head, the log-softmax and their backward
+    then skip everything else: the shared prompt (as TRL's ``logits_to_keep``), but also padding and
+    the tool, user and template tokens between turns. The hidden states, hence the numbers, are
+    those of the full computation (``tests/trainers/test_grpo_logits_to_keep.py``)."""
+    pred = predicting_positions(mask)
+    if _keeps_masked_logits(model):  # transformers' slice_logits_to_keep: a bool [B, T] keeps those positions, flat
+        return model(input_ids=ids, attention_mask=attn, logits_to_keep=pred).logits.float()
+    return model(input_ids=ids, attention_mask=attn).logits.float()[pred]
 
 
-def _takes_logits_to_keep(model: Any) -> bool:
+def _keeps_masked_logits(model: Any) -> bool:
     target = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft passes kwargs on
-    return _forward_takes_logits_to_keep(type(target))
+    return _forward_keeps_masked_logits(type(target))
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_takes_logits_to_keep(cls: type) -> bool:
-    """Per model class, once (``inspect.signature`` on every micro-batch is wasted work)."""
+def _forward_keeps_masked_logits(cls: type) -> bool:
+    """Whether ``cls.forward`` slices with transformers' ``slice_logits_to_keep`` (which takes a bool
+    ``[B, T]`` mask); a model that slices by hand (``hidden[:, -k:]``) gets full logits. Once per class."""
     import inspect
 
     try:
-        return "logits_to_keep" in inspect.signature(cls.forward).parameters
-    except (TypeError, ValueError):
+        return ("logits_to_keep" in inspect.signature(cls.forward).parameters
+                and "slice_logits_to_keep(" in inspect.getsource(cls.forward))
+    except (TypeError, ValueError, OSError):
         return False
 
 
-def policy_logprobs(logits: torch.Tensor, ids: torch.Tensor, start: int, temperature: float) -> torch.Tensor:
-    """``[B, T]`` token logprobs from :func:`policy_logits` (0 before ``start``), aligned with the batch."""
-    logps = token_logprobs(logits, ids[:, start - 1:], temperature)[:, 1:]
-    return torch.cat([logps.new_zeros(logps.size(0), start), logps], dim=1)
+def policy_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[B, T]`` token logprobs (tempered) from :func:`policy_logits`: the trained tokens' in place, 0 elsewhere."""
+    pred = predicting_positions(mask)
+    sel = torch.zeros_like(pred)
+    sel[:, 1:] = pred[:, :-1]  # the tokens those positions predict
+    scaled = logits if temperature == 1.0 else logits / temperature
+    logps = gather_logps(scaled, ids[sel])
+    return logps.new_zeros(ids.shape).masked_scatter(sel, logps)
 
 
 def sequence_logprobs(model: Any, batch: RolloutBatch, temperature: float, micro: int) -> torch.Tensor:
-    """Token logprobs of a whole batch without gradient (old or reference logprobs)."""
+    """Token logprobs of a whole batch without gradient (old or reference logprobs), on the tokens the
+    loss trains (0 elsewhere: nothing reads them)."""
     out = []
     with torch.no_grad():
         for i in range(0, len(batch), micro):
-            ids, attn = batch.input_ids[i:i + micro], batch.attention_mask[i:i + micro]
-            start = _first_loss_column(batch.loss_mask[i:i + micro])
-            out.append(policy_logprobs(policy_logits(model, ids, attn, start), ids, start, temperature))
+            ids, attn, mask = batch.input_ids[i:i + micro], batch.attention_mask[i:i + micro], batch.loss_mask[i:i + micro]
+            out.append(policy_logprobs(policy_logits(model, ids, attn, mask), ids, mask, temperature))
     return torch.cat(out)
 
 
@@ -207,9 +217,8 @@ def grpo_update(model: Any, optimizer: Any, scheduler: Any, batch: RolloutBatch,
     for i in range(0, len(batch), micro):
         sl = slice(i, i + micro)
         ids, attn, mask = batch.input_ids[sl], batch.attention_mask[sl], batch.loss_mask[sl]
-        start = _first_loss_column(mask)
-        logits = policy_logits(model, ids, attn, start)  # positions start-1 .. T-1
-        logps = policy_logprobs(logits, ids, start, config.temperature)
+        logits = policy_logits(model, ids, attn, mask)  # [N, V]: the positions that predict trained tokens
+        logps = policy_logprobs(logits, ids, mask, config.temperature)
         loss, m = grpo_loss(logps, old_logps[sl], batch.advantages[sl], mask,
                             ref_logps=None if ref_logps is None else ref_logps[sl], beta=config.beta,
                             epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
@@ -219,8 +228,7 @@ def grpo_update(model: Any, optimizer: Any, scheduler: Any, batch: RolloutBatch,
         scale = 1.0 if config.loss_type == "dapo" else ids.shape[0] / len(batch)
         backward(loss * scale)
         with torch.no_grad():
-            sel = mask[:, start:].bool()
-            ent = entropy_from_logits(logits[:, :-1][sel] / config.temperature).sum() if sel.any() else 0.0
+            ent = entropy_from_logits(logits / config.temperature).sum() if logits.numel() else 0.0
         w = float(mask.sum()) / max(total_tokens, 1.0)
         sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * scale
         sums["entropy"] = sums.get("entropy", 0.0) + float(ent) / max(total_tokens, 1.0)
@@ -440,4 +448,4 @@ def run_from_config(config: GRPOConfig) -> GRPOResult:
 
 
 __all__ = ["CONFIG_CLASS", "GRPOConfig", "GRPOResult", "grpo_update", "reward_spec", "run_from_config",
-           "policy_logits", "policy_logprobs", "sequence_logprobs", "train_grpo", "LOSS_TYPES"]
+           "policy_logits", "policy_logprobs", "predicting_positions", "sequence_logprobs", "train_grpo", "LOSS_TYPES"]

@@ -27,16 +27,29 @@ LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo"]
 LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo")
 
 
-def _gather_logps(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(logits)[..., index]`` one batch row at a time (TRL's ``selective_log_softmax``):
-    ``x_i - logsumexp(x)`` in float32/64 never materialises the log-softmax; low precision uses
-    ``log_softmax`` per row because logsumexp is unstable in bfloat16."""
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
-        lse = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-        return picked - lse
-    return torch.stack([F.log_softmax(row, dim=-1).gather(-1, idx.unsqueeze(-1)).squeeze(-1)
-                        for row, idx in zip(logits, index, strict=True)])
+#: Elements of one chunk of logits in :func:`gather_logps` (64 MB of float32): small batches go in one
+#: vectorised call, a large vocabulary times a long sequence is cut so the temporaries stay bounded.
+GATHER_CHUNK_ELEMENTS = 1 << 24
+
+
+def gather_logps(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[..., index]`` over the last axis (TRL's ``selective_log_softmax``).
+
+    In float32/64, ``x_i - logsumexp(x)`` never materialises the log-softmax; low precision uses
+    ``log_softmax`` because logsumexp is unstable in bfloat16. TRL loops one batch row at a time to
+    bound memory; here the leading rows go in chunks of :data:`GATHER_CHUNK_ELEMENTS` (the same
+    numbers: each row's reduction is the same kernel), so a small batch is one call instead of a
+    Python loop whose backward has one node per row."""
+    flat, idx = logits.reshape(-1, logits.size(-1)), index.reshape(-1)
+    rows = max(1, GATHER_CHUNK_ELEMENTS // max(1, flat.size(-1)))
+    parts = []
+    for x, i in zip(flat.split(rows), idx.split(rows), strict=True):
+        if x.dtype in (torch.float32, torch.float64):
+            parts.append(x.gather(-1, i.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1))
+        else:
+            parts.append(F.log_softmax(x, dim=-1).gather(-1, i.unsqueeze(-1)).squeeze(-1))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.reshape(index.shape)
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -55,7 +68,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     shifted = logits[:, :-1]
     if temperature != 1.0:
         shifted = shifted / temperature
-    logps = _gather_logps(shifted, input_ids[:, 1:].long())
+    logps = gather_logps(shifted, input_ids[:, 1:].long())
     return torch.cat([logps.new_zeros(logps.size(0), 1), logps], dim=1)
 
 
