@@ -43,7 +43,8 @@ Tasks (``--task``):
 
 ``--env-options JSON`` overrides any environment option of the chosen task; ``--sft-model``
 reuses an SFT checkpoint (a second GRPO seed from the same start); ``--eval-steps 10`` also
-evaluates (sampled) each arm's checkpoint after 10 GRPO steps; ``--no-eval-sft`` skips the SFT row.
+evaluates (sampled) each arm's checkpoint after 10 GRPO steps; ``--no-eval-sft`` skips the SFT row;
+``--turn-weight w`` scales the IG arm's turn advantage (A = A^final + w·A^turn, ``GRPOConfig.turn_weight``).
 
     python benchmarks/bench_clarify_ig.py --model PATH_TO_TINY --out out/clarify-ig     # ~20 min, 2 CPU cores
     python benchmarks/bench_clarify_ig.py --quick                                       # a smoke run
@@ -53,6 +54,96 @@ Measured
 2 shared CPU cores (busy with other work), the shared prebuilt tiny model ($TINY, 150k parameters),
 task ``tiny``, SFT 4000 expert episodes × 500 steps (470 s), GRPO 25 steps × 64 episodes per arm
 (3-4 min each), 200 held-out seeds, evaluated greedily and sampled (T = 1).
+
+**Turn weight 0.25** (``--turn-weight 0.25``: the IG arm's advantage is A^final + 0.25·A^turn, so the
+A^turn ≈ −3.9 of a rare uninformative question, below, weighs about −1, the size of a final advantage),
+questions compared only with questions in the group's pool (``group`` + ``exclude``, as "IG" below).
+A fresh SFT start with the same settings (``out/clarify-ig3/sft``, 337 s; its rows equal the earlier
+start's: sampled 0.405 / 2.55 / 0.895, greedy 1.000 / 2.00 / 0.000); both arms of a seed in one process.
+The success arm is rerun in each process and is not token-identical with the success arm of the
+series below (same seed and SFT row, other numbers: e.g. 0.670 vs 0.690 with turn cost, seed 0, 25
+steps), so compare the arms within this section. Commands (``S="--sft-model out/clarify-ig3/sft
+--grpo-steps 25 --eval-steps 10 --no-eval-sft --turn-weight 0.25"``)::
+
+    python $B --model $TINY --out out/clarify-ig3 --grpo-steps 25 --eval-steps 10 --turn-weight 0.25 \
+        --seed 0                                                          # SFT + seed 0 with turn cost, 793 s
+    for seed in 1 2 3 4; do python $B $S --out out/clarify-ig3/cost --seed $seed; done       # 379-420 s each
+    for seed in 0 1 2 3 4; do
+      python $B $S --out out/clarify-ig3/nocost --env-options '{"turn_cost": 0}' --seed $seed  # 389-436 s each
+    done
+
+(GRPO 150-182 s per arm; seeds 3 and 4 were added after 0-2 because time allowed, so the means over
+seeds 0-2 are given too.) Sampled (T = 1), each cell success / questions / uninformative questions per
+episode over 200 held-out episodes (Wilson 95% CI about ± 0.07); rows are (turn cost, turns): seed:
+
+=================  ================  ================  ================  ================
+cost, turns: seed  success @ 10      IG @ 10           success @ 25      IG @ 25
+=================  ================  ================  ================  ================
+0.05, 4: 0         0.475 1.84 0.085  0.535 1.93 0.125  0.670 1.95 0.060  0.610 1.92 0.055
+0.05, 4: 1         0.520 1.98 0.170  0.560 1.88 0.070  0.670 1.94 0.035  0.665 1.90 0.035
+0.05, 4: 2         0.640 1.93 0.075  0.505 1.92 0.080  0.660 1.93 0.070  0.695 1.91 0.030
+0.05, 4: 3         0.555 1.95 0.115  0.525 1.94 0.095  0.580 1.86 0.030  0.635 1.84 0.015
+0.05, 4: 4         0.605 1.94 0.105  0.590 1.92 0.080  0.645 1.99 0.105  0.665 1.88 0.050
+0.05, 4: mean 0-2  0.545 1.91 0.110  0.533 1.91 0.092  0.667 1.93 0.055  0.657 1.91 0.040
+0.05, 4: mean 0-4  0.559 1.93 0.110  0.543 1.92 0.090  0.645 1.93 0.060  0.654 1.89 0.037
+0, 4: 0            0.540 1.91 0.085  0.570 1.89 0.060  0.620 1.94 0.085  0.660 1.91 0.040
+0, 4: 1            0.530 1.95 0.135  0.495 1.99 0.125  0.660 1.96 0.105  0.670 1.92 0.025
+0, 4: 2            0.625 1.95 0.075  0.540 1.91 0.050  0.605 2.06 0.195  0.660 1.84 0.030
+0, 4: 3            0.495 1.91 0.085  0.545 1.93 0.095  0.595 1.90 0.040  0.610 1.89 0.020
+0, 4: 4            0.595 1.93 0.100  0.530 1.93 0.125  0.635 1.92 0.060  0.520 1.90 0.065
+0, 4: mean 0-2     0.565 1.94 0.098  0.535 1.93 0.078  0.628 1.99 0.128  0.663 1.89 0.032
+0, 4: mean 0-4     0.557 1.93 0.096  0.536 1.93 0.091  0.623 1.95 0.097  0.624 1.89 0.036
+=================  ================  ================  ================  ================
+
+IG (turn weight 0.25) − success only, as below (success pooled over the seeds, normal approximation,
+which ignores the variance between training seeds; per-seed differences in uninformative questions,
+then in success)::
+
+    (0.05, 4) @ 10, seeds 0-4: success -0.016 [-0.060, +0.028]; uninformative +0.040, -0.100, +0.005, -0.020, -0.025
+    (0.05, 4) @ 25, seeds 0-4: success +0.009 [-0.033, +0.051]; uninformative -0.005, +0.000, -0.040, -0.015, -0.055
+                                per-seed success -0.060, -0.005, +0.035, +0.055, +0.020
+    (0.05, 4) @ 25, seeds 0-2: success -0.010 [-0.064, +0.044]
+    (0, 4) @ 10, seeds 0-4:    success -0.021 [-0.065, +0.023]; uninformative -0.025, -0.010, -0.025, +0.010, +0.025
+    (0, 4) @ 25, seeds 0-4:    success +0.001 [-0.041, +0.043]; uninformative -0.045, -0.080, -0.165, -0.020, +0.005
+                                per-seed success +0.040, +0.010, +0.055, +0.015, -0.115
+    (0, 4) @ 25, seeds 0-2:    success +0.035 [-0.019, +0.089]
+
+Greedy, success / uninformative per seed (0-4)::
+
+    (0.05, 4) success 0.975/0.000, 1.000/0.000, 1.000/0.000, 0.995/0.000, 1.000/0.000
+              IG      0.945/0.000, 1.000/0.000, 1.000/0.000, 0.970/0.000, 0.995/0.000
+    (0, 4)    success 0.995/0.000, 0.995/0.000, 0.990/0.005, 0.990/0.005, 0.980/0.000
+              IG      0.950/0.000, 0.980/0.000, 0.980/0.000, 0.985/0.000, 0.890/0.005
+
+Reading: with turn weight 0.25 the sign holds at 25 steps in both settings, sampled, but the
+reduction is small. The IG arm loses no success (pooled +0.009 [−0.033, +0.051] with turn cost,
++0.001 [−0.041, +0.043] without; with turn weight 1, below: −0.082 [−0.136, −0.027] and −0.025
+[−0.080, +0.030]) and asks fewer uninformative questions than success only in 8 of 10 pairs (one
+tie, seed 1 with turn cost, 0.035 each; one more, seed 4 without, +0.005): means 0.037 vs 0.060 with
+turn cost, 0.036 vs 0.097 without. So "fewer uninformative questions at equal or better success"
+(the pooled success CI contains 0, its point estimate ≥ 0 over 5 seeds; over seeds 0-2 −0.010
+[−0.064, +0.044] with turn cost, +0.035 [−0.019, +0.089] without) holds in both settings, for the
+first time with a turn cost. What qualifies it:
+
+- The differences are small with turn cost (0 to −0.055 per episode), because success only, rerun
+  here, already keeps few (0.060 at 25 steps; 0.118 in the series below); without turn cost they
+  are larger (−0.020 to −0.165, one +0.005). The IG arm's own level over seeds 0-2 (0.040 with turn
+  cost, 0.032 without) is close to turn weight 1's below (0.032, 0.030; other processes).
+- At 10 steps there is no sign: fewer in 6 of 10 pairs, success −0.016 [−0.060, +0.028] and −0.021
+  [−0.065, +0.023]. With turn weight 1 the IG arm had fewer in every pair at 10 steps (at a success
+  cost); with a quarter of the turn term the reduction shows only by 25 steps.
+- Per seed the success difference still spans −0.115 to +0.055 and the pooled CI ignores that
+  spread. Seed 4 without turn cost is the one IG run that falls behind (0.520 vs 0.635 sampled, 0.890
+  greedy, 34.1 of 64 training rollouts truncated per step over steps 1-10 against 29.0-32.7 for the
+  other IG runs and 29.7-32.6 for success only), and by the weight-1 failure: episodes whose answers
+  had identified the goal and that never made a valid submit, 72 vs 52 of 200 (seed 0 without turn
+  cost: 47 vs 50; the failure sort of ``clarify_ig_failures.py``, run on these policies by hand since
+  that script names the weight-1 directories).
+- Greedy, no policy asks an uninformative question (≤ 0.005 per episode) and the IG arm's success is
+  lower than success only's in 8 of 10 pairs (equal in 2; means 0.982 vs 0.994 with turn cost, 0.957
+  vs 0.990 without): the greedy policy shows the IG term's small cost, not its benefit.
+
+Turn weight 0.1 was not run (planned only if 0.25 still lost success).
 
 **Questions compared only with questions** (``--missing-turn-rewards exclude``), from the same SFT
 start (``out/clarify-ig/sft``, below), both arms of a seed in one process (the shared model and
@@ -256,6 +347,8 @@ def main() -> None:
                     help="baseline of the per-turn IG returns (ig run); see the module docstring")
     ap.add_argument("--missing-turn-rewards", choices=("zero", "exclude"), default="exclude",
                     help="turns that ask nothing (submit): IG 0 ('zero') or no IG at all ('exclude'; ig run)")
+    ap.add_argument("--turn-weight", type=float, default=1.0,
+                    help="weight of the per-turn IG advantage: A = A^final + w·A^turn (ig run)")
     ap.add_argument("--eval-steps", default="",
                     help="comma-separated GRPO steps whose checkpoints are also evaluated, sampled only")
     ap.add_argument("--no-eval-sft", action="store_true", help="do not evaluate the SFT start")
@@ -311,17 +404,19 @@ def main() -> None:
     arms = [a.strip() for a in args.arms.split(",")]
     if not arms or set(arms) - {"success", "ig"}:
         raise SystemExit(f"--arms takes success and/or ig, got {args.arms!r}")
+    weighted = f"-w{args.turn_weight:g}" if args.turn_weight != 1.0 else ""  # in the IG arm's and results' names
     for name, weight, turn in (("success", 0.0, []), ("ig", args.ig_weight, ["info_gain"])):
         if name not in arms:
             continue
         t1 = time.perf_counter()
         excluded = "-exclude" if args.missing_turn_rewards == "exclude" else ""
-        tag = f"-{args.turn_baseline}{excluded}" if turn else ""
+        tag = f"-{args.turn_baseline}{excluded}{weighted}" if turn else ""
         cfg = GRPOConfig(model=str(sft_dir), output_dir=str(out / f"grpo-{name}{tag}-s{args.seed}"), env="clarify",
                          env_options={**opts, "info_gain_weight": weight}, turn_reward_components=turn,
                          turn_baseline=args.turn_baseline if turn else "group",
                          missing_turn_rewards=args.missing_turn_rewards if turn else "zero",
-                         gamma=args.gamma if turn else 1.0, max_steps=args.grpo_steps, learning_rate=args.lr,
+                         gamma=args.gamma if turn else 1.0, turn_weight=args.turn_weight if turn else 1.0,
+                         max_steps=args.grpo_steps, learning_rate=args.lr,
                          lr_scheduler="constant", prompts_per_step=8, num_generations=8, max_env_steps=max_turns,
                          max_new_tokens=48, per_device_batch_size=16, seed=args.seed,
                          train_seed_start=1_000_000, report_to="none", torch_threads=1,
@@ -356,7 +451,8 @@ def main() -> None:
                       f"{r['uninformative_questions']:.3f}", f"{r['mean_turns']:.2f}")
     console.print(table)
     seconds = time.perf_counter() - t0
-    result_file = out / f"results-{'-'.join(arms)}-{args.turn_baseline}-{args.missing_turn_rewards}-s{args.seed}.json"
+    result_file = out / (f"results-{'-'.join(arms)}-{args.turn_baseline}-{args.missing_turn_rewards}{weighted}"
+                         f"-s{args.seed}.json")
     result_file.write_text(json.dumps(
         {"rows": rows, "args": vars(args), "env_options": opts, "seconds": seconds, "timings": timings,
          "history": {k: r.history for k, r in runs.items()}}, indent=2, default=str))
