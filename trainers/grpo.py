@@ -179,9 +179,8 @@ def _forward_keeps_masked_logits(cls: type) -> bool:
 
 def policy_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
     """``[B, T]`` token logprobs (tempered) from :func:`policy_logits`: the trained tokens' in place, 0 elsewhere."""
-    pred = predicting_positions(mask)
-    sel = torch.zeros_like(pred)
-    sel[:, 1:] = pred[:, :-1]  # the tokens those positions predict
+    sel = mask != 0  # the trained tokens, which those positions predict (column 0 has no prediction)
+    sel[:, 0] = False
     scaled = logits if temperature == 1.0 else logits / temperature
     logps = gather_logps(scaled, ids[sel])
     return logps.new_zeros(ids.shape).masked_scatter(sel, logps)

@@ -4,7 +4,6 @@ single-tensor loop computes."""
 
 from __future__ import annotations
 
-
 import torch
 
 from closedloop.trainers.common import build_optimizer
