@@ -23,6 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="hf: torch device, e.g. cuda or cpu (default: cpu)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="hf: torch intra-op threads; 1 avoids OpenMP oversubscription on a shared CPU")
+    p.add_argument("--engine", choices=["process", "thread"], default="process",
+                   help="hf: where the model decodes: in a child process (default: the HTTP event loop and the "
+                        "decoder do not share one GIL, as vLLM splits its API server from its engine) or on a "
+                        "thread of the server process")
     p.add_argument("--allow-weight-updates", action="store_true",
                    help="enable the admin endpoint POST /closedloop/v1/load_weights, which reloads the served "
                         "hf:/vllm: model's weights from a directory on this machine (for a trainer pushing its "
@@ -38,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def handle(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from closedloop.models import make_client, parse_spec
+    from closedloop.models import ModelClient, make_client, parse_spec
     from closedloop.server import create_app
 
     try:
@@ -82,7 +86,12 @@ def handle(args: argparse.Namespace) -> int:
         if args.host not in ("127.0.0.1", "localhost", "::1"):
             print(f"warning: --allow-weight-updates on {args.host}: anyone who can reach this address can replace "
                   "the model's weights and make the server read local directories", file=sys.stderr)
-    client = make_client(spec, **kwargs)
+    if spec.backend == "hf" and args.engine == "process":
+        from closedloop.models.engine_process import EngineProcessClient
+
+        client: ModelClient = EngineProcessClient(f"hf:{spec.model}", torch_threads=args.torch_threads, **kwargs)
+    else:
+        client = make_client(spec, **kwargs)
     if args.max_request_bytes < 1 or not 1 <= args.max_tokens <= args.max_tokens_cap:
         print("error: --max-request-bytes must be >= 1 and --max-tokens between 1 and --max-tokens-cap",
               file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+import functools
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal, Union
 
@@ -57,6 +58,10 @@ class ContextLengthExceededError(ModelError):
         super().__init__(message)
         self.prompt_tokens = prompt_tokens
         self.limit = limit
+
+    def __reduce__(self) -> tuple:
+        """Pickled whole (an engine process sends it to the server): the keyword fields too."""
+        return functools.partial(type(self), prompt_tokens=self.prompt_tokens, limit=self.limit), (str(self),)
 
 
 @dataclass

@@ -366,3 +366,15 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, train_steps: int = 500,
               "torch": torch.__version__}
     (path / TINY_CONFIG_FILE).write_text(json.dumps(record, indent=2))
     return path
+
+
+def endless_client(spec: str, **kwargs: Any):
+    """An ``hf:`` client that never stops at an end-of-sequence token: it decodes to ``max_tokens``
+    (vLLM's ``ignore_eos``). The tiny model's replies are a few tokens long; cancellation and load
+    tests need a request that is still decoding when they act. Module-level so that it can be an
+    :class:`~closedloop.models.engine_process.EngineProcessClient` ``factory``."""
+    from closedloop.models import make_client
+
+    client = make_client(spec, **kwargs)
+    client._eos_ids = set()
+    return client

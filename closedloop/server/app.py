@@ -675,7 +675,8 @@ def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int 
     async def health() -> dict[str, Any]:
         # The micro-batcher's record (when the backend keeps one) shows whether requests batched.
         stats = getattr(client, "batch_stats", None)
-        batches = {"batches": stats()} if callable(stats) else {}
+        # Off the event loop: an engine process answers over its pipe.
+        batches = {"batches": await asyncio.to_thread(stats)} if callable(stats) else {}
         return {"status": "ok", "disconnected": server.disconnected, **batches}
 
     @app.get("/v1/models")

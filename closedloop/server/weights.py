@@ -81,10 +81,14 @@ def read_hf_weights(path: str, *, model_type: str | None = None) -> dict[str, An
 
 
 def served_model_type(client: Any) -> str | None:
-    """The served model's ``config.model_type`` where the backend exposes it."""
+    """The served model's ``config.model_type`` where the backend exposes it (an engine process
+    reports it as ``client.model_type``: its model lives in the child)."""
     model = getattr(client, "model", None)
     cfg = getattr(model, "config", None)
-    return getattr(cfg, "model_type", None) if cfg is not None else None
+    if cfg is not None:
+        return getattr(cfg, "model_type", None)
+    declared = getattr(client, "model_type", None)
+    return declared if isinstance(declared, str) else None
 
 
 def _check_against(model: Any, state: dict[str, Any]) -> None:
