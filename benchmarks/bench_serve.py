@@ -378,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also drive hf: directly in this process (no HTTP): the decode worker's ceiling")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
+    if args.repeat < 1 or args.requests < 1:
+        ap.error("--repeat and --requests must be at least 1")
     console = Console(width=max(Console().width, 110))
 
     tmp = None

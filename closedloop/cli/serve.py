@@ -89,7 +89,7 @@ def handle(args: argparse.Namespace) -> int:
     if spec.backend == "hf" and args.engine == "process":
         from closedloop.models.engine_process import EngineProcessClient
 
-        client: ModelClient = EngineProcessClient(f"hf:{spec.model}", torch_threads=args.torch_threads, **kwargs)
+        client: ModelClient = EngineProcessClient(args.model, torch_threads=args.torch_threads, **kwargs)
     else:
         client = make_client(spec, **kwargs)
     if args.max_request_bytes < 1 or not 1 <= args.max_tokens <= args.max_tokens_cap:

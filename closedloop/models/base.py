@@ -9,8 +9,8 @@ same record as one that does not.
 from __future__ import annotations
 
 import asyncio
-from abc import ABC, abstractmethod
 import functools
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal, Union
 
