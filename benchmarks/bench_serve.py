@@ -10,7 +10,11 @@ same ``max_tokens``; the ratio column is ours over the peer's requests/s at the 
 at the next step, and "mean rows" is how many rows its decode steps carried on average. The
 server runs the model in an engine process (``--engine process``, the default of ``closedloop
 serve``), so its HTTP loop and its decoder do not share a GIL; ``--engine thread`` measures the
-single-process server.
+single-process server. As ``closedloop serve`` does by default, the engine and the server are bound
+to separate CPUs (``--engine-cpus none``: not), and repeated prompts join the batch from the prompt
+cache, without a prefill pass (``--prompt-cache-tokens 0``: off). The load cycles through a few
+prompts, so after the first wave every admission is a cache hit: the peer's paged cache shares the
+blocks of repeated prompts too (``ContinuousBatchingConfig.allow_block_sharing``, on by default).
 
     python benchmarks/bench_serve.py                      # builds the tiny model into a temp dir
     python benchmarks/bench_serve.py --model /path/to/ckpt --concurrency 1 8 32 --requests 640
@@ -83,10 +87,13 @@ def free_port() -> int:
 
 
 def start_server(model: Path, port: int, max_tokens: int, max_batch_size: int,
-                 torch_threads: int | None, engine: str = "process") -> subprocess.Popen:
+                 torch_threads: int | None, engine: str = "process", prompt_cache_tokens: int | None = None,
+                 engine_cpus: str = "auto") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "closedloop", "serve", "--model", f"hf:{model}", "--port", str(port),
            "--served-name", "tiny", "--max-tokens", str(max_tokens), "--max-batch-size", str(max_batch_size),
-           "--engine", engine]
+           "--engine", engine, "--engine-cpus", engine_cpus]
+    if prompt_cache_tokens is not None:
+        cmd += ["--prompt-cache-tokens", str(prompt_cache_tokens)]
     env = dict(os.environ)
     if torch_threads:
         cmd += ["--torch-threads", str(torch_threads)]
@@ -259,7 +266,9 @@ def in_process(model: Path, args: argparse.Namespace, prompts: list[str]) -> lis
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    client = HFClient.from_pretrained(model, max_batch_size=args.max_batch_size, batch_wait_ms=0)
+    client = HFClient.from_pretrained(model, max_batch_size=args.max_batch_size, batch_wait_ms=0,
+                                      prompt_cache_tokens=8192 if args.prompt_cache_tokens is None
+                                      else args.prompt_cache_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, seed=args.seed)
 
     async def level(concurrency: int, n: int) -> float:
@@ -374,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
                          "openai: client asking for token ids and logprobs (heavier: on a small machine it can be the bottleneck for both servers)")
     ap.add_argument("--engine", choices=["process", "thread"], default="process",
                     help="closedloop serve's --engine: the model in a child process (default) or on a server thread")
+    ap.add_argument("--prompt-cache-tokens", type=int, default=None,
+                    help="closedloop serve's --prompt-cache-tokens (default: serve's default; 0 turns the prompt "
+                         "cache off)")
+    ap.add_argument("--engine-cpus", choices=["auto", "none"], default="auto",
+                    help="closedloop serve's --engine-cpus: bind the engine and the server to separate CPUs "
+                         "(default, as serve) or leave placement to the OS")
     ap.add_argument("--in-process", action="store_true",
                     help="also drive hf: directly in this process (no HTTP): the decode worker's ceiling")
     ap.add_argument("--json", type=Path, help="also write the figures here")
@@ -393,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = list(PROMPTS)
     procs: list[subprocess.Popen] = []
     servers: dict[str, tuple[str, str]] = {}
+    cache = None
     try:
         if args.peer == "transformers":
             port = free_port()
@@ -407,9 +423,10 @@ def main(argv: list[str] | None = None) -> int:
             servers["peer"] = (url, str(model))
         port = free_port()
         procs.append(start_server(model, port, args.max_tokens, args.max_batch_size, args.torch_threads or None,
-                                  args.engine))
+                                  args.engine, args.prompt_cache_tokens, args.engine_cpus))
         servers["closedloop"] = (f"http://127.0.0.1:{port}/v1", "tiny")
         runs = measure(servers, args, prompts)
+        cache = (batch_stats(servers["closedloop"][0]) or {}).get("prompt_cache")
     finally:
         for proc in procs:
             stop(proc)
@@ -423,16 +440,21 @@ def main(argv: list[str] | None = None) -> int:
     peer = [median_level(runs["peer"][c]) for c in args.concurrency] if "peer" in runs else None
     report(levels, console, f"closedloop serve, hf:{model.name}, max_tokens={args.max_tokens}, temperature=0, "
                             f"max batch {args.max_batch_size}, torch threads {args.torch_threads or 'default'}, "
-                            f"{os.cpu_count()} CPUs, {args.client} client, {args.engine} engine, "
+                            f"{os.cpu_count()} CPUs, {args.client} client, {args.engine} engine "
+                            f"(CPUs: {args.engine_cpus}), prompt cache "
+                            f"{'default' if args.prompt_cache_tokens is None else args.prompt_cache_tokens}, "
                             f"median of {args.repeat} interleaved runs"
                             + ("; peer: transformers serve --continuous-batching" if peer else ""), peer, inproc)
     if peer:
         for c in args.concurrency:
             ratios = [a.rps / b.rps for a, b in zip(runs["closedloop"][c], runs["peer"][c])]
             console.print(f"{c} clients, ours / peer by round: " + ", ".join(f"{x:.2f}x" for x in ratios))
+    if cache:
+        console.print(f"closedloop prompt cache over the run: {cache['hits']} hits, {cache['misses']} misses")
     if args.json:
         rows = lambda lvs: [{**asdict(lv), "rps": lv.rps, "tps": lv.tps} for lv in lvs or []]  # noqa: E731
         args.json.write_text(json.dumps({"closedloop": rows(levels), "peer": rows(peer), "in_process_rps": inproc,
+                                         "prompt_cache": cache,
                                          "runs": {name: {str(c): rows(lvs) for c, lvs in by_c.items()}
                                                   for name, by_c in runs.items()}}, indent=2))
     return 0

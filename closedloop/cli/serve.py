@@ -20,6 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="hf: how long an idle decoder waits for more requests before it starts (default 0: a "
                         "server's requests arrive independently, and any that arrive later join the running "
                         "batch at its next token)")
+    p.add_argument("--prompt-cache-tokens", type=int, default=8192,
+                   help="hf: prompt tokens whose prefill state (KV cache, next-token logits) is kept, so a repeated "
+                        "prompt joins the batch without a prefill pass (as vLLM's prefix caching, for whole "
+                        "prompts; emptied whenever the weights change); 0 turns it off")
     p.add_argument("--device", default=None, help="hf: torch device, e.g. cuda or cpu (default: cpu)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="hf: torch intra-op threads; 1 avoids OpenMP oversubscription on a shared CPU")
@@ -27,6 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="hf: where the model decodes: in a child process (default: the HTTP event loop and the "
                         "decoder do not share one GIL, as vLLM splits its API server from its engine) or on a "
                         "thread of the server process")
+    p.add_argument("--engine-cpus", choices=["auto", "none"], default="auto",
+                   help="hf: on CPU with --engine process, 'auto' binds the engine to the last --torch-threads "
+                        "CPUs (default: all but one) and the server to the others, so the scheduler does not move "
+                        "the decode thread between cores (as vLLM's CPU backend binds its threads); 'none' leaves "
+                        "placement to the OS")
     p.add_argument("--allow-weight-updates", action="store_true",
                    help="enable the admin endpoint POST /closedloop/v1/load_weights, which reloads the served "
                         "hf:/vllm: model's weights from a directory on this machine (for a trainer pushing its "
@@ -64,6 +73,10 @@ def handle(args: argparse.Namespace) -> int:
             print("error: --batch-wait-ms must be >= 0", file=sys.stderr)
             return 2
         kwargs["batch_wait_ms"] = args.batch_wait_ms
+        if args.prompt_cache_tokens < 0:
+            print("error: --prompt-cache-tokens must be >= 0", file=sys.stderr)
+            return 2
+        kwargs["prompt_cache_tokens"] = args.prompt_cache_tokens
         if args.device:
             kwargs["device"] = args.device
         if args.torch_threads is not None:
@@ -89,7 +102,17 @@ def handle(args: argparse.Namespace) -> int:
     if spec.backend == "hf" and args.engine == "process":
         from closedloop.models.engine_process import EngineProcessClient
 
-        client: ModelClient = EngineProcessClient(args.model, torch_threads=args.torch_threads, **kwargs)
+        from closedloop.models.cpu_binding import bind_this_process, split_cpus
+
+        split = split_cpus(args.torch_threads) \
+            if args.engine_cpus == "auto" and args.device in (None, "cpu") else None
+        engine_cpus, server_cpus = split if split is not None else (None, None)
+        threads = args.torch_threads if args.torch_threads is not None or engine_cpus is None else len(engine_cpus)
+        client: ModelClient = EngineProcessClient(args.model, torch_threads=threads, cpus=engine_cpus, **kwargs)
+        if server_cpus is not None:
+            bind_this_process(server_cpus)
+            print(f"engine on CPUs {engine_cpus}, server on CPUs {server_cpus} (--engine-cpus none: no binding)",
+                  file=sys.stderr, flush=True)
     else:
         client = make_client(spec, **kwargs)
     if args.max_request_bytes < 1 or not 1 <= args.max_tokens <= args.max_tokens_cap:

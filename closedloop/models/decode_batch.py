@@ -119,12 +119,29 @@ class DecodeBatch:
 
     # ------------------------------------------------------------------ building
 
+    @staticmethod
+    def _new_cache(model: Any) -> Any:
+        """An empty ``DynamicCache`` for ``model``, its plain layers replaced by slack layers."""
+        from transformers import DynamicCache
+
+        try:
+            cache = DynamicCache(config=model.config)
+        except TypeError:  # transformers < 4.56
+            cache = DynamicCache()
+        if _plain_layers(cache) and cache.layers:
+            cache.layers = [_slack_layer_class()() for _ in cache.layers]
+        return cache
+
+    @classmethod
+    def can_merge(cls, model: Any) -> bool:
+        """Whether ``model``'s batches can take rows mid-decode (see :meth:`mergeable`)."""
+        return _plain_layers(cls._new_cache(model))
+
     @classmethod
     def prefill(cls, model: Any, rows: list[Any], *, pad: int, cache_kw: str, device: Any,
                 extra_inputs: dict[str, Any]) -> "DecodeBatch":
         """One forward pass over the rows' left-padded prompts; the batch is then ready to sample."""
         import torch
-        from transformers import DynamicCache
 
         width = max(len(r.prompt_ids) for r in rows)
         n = len(rows)
@@ -134,15 +151,44 @@ class DecodeBatch:
             input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
             attn[i, width - len(r.prompt_ids):] = 1
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
-        try:
-            cache = DynamicCache(config=model.config)
-        except TypeError:  # transformers < 4.56
-            cache = DynamicCache()
-        if _plain_layers(cache) and cache.layers:
-            cache.layers = [_slack_layer_class()() for _ in cache.layers]
+        cache = cls._new_cache(model)
         input_ids, attn, positions = input_ids.to(device), attn.to(device), positions.to(device)
         out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True,
                     logits_to_keep=1, **extra_inputs, **{cache_kw: cache})
+        return cls._with_sampling(rows, cache, attn, positions[:, -1:] + 1, out.logits[:, -1, :])
+
+    @classmethod
+    def from_states(cls, model: Any, rows: list[Any], states: list[Any], *, device: Any) -> "DecodeBatch":
+        """A batch of rows whose prompts were prefilled before: ``states[i]`` (a
+        :class:`~closedloop.models.prompt_cache.PromptState`) is row ``i``'s cached keys, values
+        and next-token logits, left-padded to a common width. No forward pass."""
+        import torch
+
+        width = max(s.length for s in states)
+        attn = torch.stack([_left_pad(torch.ones(s.length, dtype=torch.long, device=device), width, 0)
+                            for s in states])
+        cache = cls._new_cache(model)
+        for layer_idx, layer in enumerate(cache.layers):
+            keys = torch.stack([_left_pad(s.keys[layer_idx], width, -2) for s in states])
+            values = torch.stack([_left_pad(s.values[layer_idx], width, -2) for s in states])
+            layer.update(keys, values)  # the first update initialises the layer with these tensors
+        next_pos = torch.tensor([[s.length] for s in states], dtype=torch.long, device=device)
+        return cls._with_sampling(rows, cache, attn, next_pos, torch.stack([s.logits for s in states]))
+
+    def row_state(self, i: int) -> Any:
+        """Row ``i``'s prompt state, copied out of a batch that was just prefilled (no step yet)."""
+        from closedloop.models.prompt_cache import PromptState
+
+        n = len(self.rows[i].prompt_ids)
+        return PromptState(keys=tuple(layer.keys[i, :, -n:, :].clone() for layer in self.cache.layers),
+                           values=tuple(layer.values[i, :, -n:, :].clone() for layer in self.cache.layers),
+                           logits=self.last[i].clone())
+
+    @classmethod
+    def _with_sampling(cls, rows: list[Any], cache: Any, attn: Any, next_pos: Any, last: Any) -> "DecodeBatch":
+        """The batch with each row's sampling state (temperature, top-p, its own seeded uniforms)."""
+        import torch
+
         params = [r.req.params for r in rows]
         steps = max(r.max_new for r in rows)
         # Greedy rows read the plain softmax (temperature 1) and draw no uniforms.
@@ -154,7 +200,7 @@ class DecodeBatch:
                                 torch.rand(steps, generator=r.generator, dtype=torch.float64)
                                 for p, r in zip(params, rows)])
         max_new = torch.tensor([r.max_new for r in rows])
-        return cls(list(rows), cache, attn, positions[:, -1:] + 1, out.logits[:, -1, :], greedy=greedy, temps=temps,
+        return cls(list(rows), cache, attn, next_pos, last, greedy=greedy, temps=temps,
                    top_p=top_p, uniforms=uniforms, max_new=max_new)
 
     def mergeable(self) -> bool:

@@ -63,9 +63,13 @@ def _portable(error: BaseException) -> BaseException:
 
 
 def _engine_main(conn: Connection, spec: str, kwargs: dict[str, Any], torch_threads: int | None,
-                 factory: Callable[..., ModelClient] | None = None) -> None:
+                 factory: Callable[..., ModelClient] | None = None, cpus: list[int] | None = None) -> None:
     """The child process: build the client, say ``ready``, then serve requests until ``close``
     or until the parent goes away."""
+    if cpus:  # before torch starts its thread pool: the pool inherits the binding
+        from closedloop.models.cpu_binding import bind_this_process
+
+        bind_this_process(cpus)
     import torch
     import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor pickler
 
@@ -193,14 +197,16 @@ class EngineProcessClient(ModelClient):
 
     ``spec`` is an ``hf:`` spec; ``kwargs`` go to :func:`~closedloop.models.make_client` in the
     child (``max_batch_size``, ``batch_wait_ms``, ``device``, ``dtype`` ...); ``torch_threads``
-    sets the child's intra-op threads. ``factory`` replaces ``make_client`` as the child's
+    sets the child's intra-op threads; ``cpus`` binds the child's threads to those CPUs
+    (:mod:`closedloop.models.cpu_binding`). ``factory`` replaces ``make_client`` as the child's
     constructor, called as ``factory(spec, **kwargs)`` (a module-level function: it is pickled to a
     spawned process). The constructor returns once the model is loaded, and raises the child's
     error if it could not be.
     """
 
     def __init__(self, spec: str, *, torch_threads: int | None = None, start_timeout_s: float = 600.0,
-                 factory: Callable[..., ModelClient] | None = None, **kwargs: Any) -> None:
+                 factory: Callable[..., ModelClient] | None = None, cpus: Iterable[int] | None = None,
+                 **kwargs: Any) -> None:
         import torch.multiprocessing  # noqa: F401 - tensors to the child through shared memory
 
         from closedloop.models import parse_spec
@@ -210,7 +216,9 @@ class EngineProcessClient(ModelClient):
             raise ValueError(f"an engine process runs hf: models, not {parsed.backend}:")
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold torch threads
         self._conn, child = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=_engine_main, args=(child, f"hf:{parsed.model}", kwargs, torch_threads, factory),
+        bound = list(cpus) if cpus is not None else None
+        self._process = ctx.Process(target=_engine_main,
+                                    args=(child, f"hf:{parsed.model}", kwargs, torch_threads, factory, bound),
                                     name="closedloop-engine", daemon=True)
         self._process.start()
         child.close()

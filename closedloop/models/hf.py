@@ -65,6 +65,7 @@ from closedloop.models.base import (ContextLengthExceededError, GenerateRequest,
                                     TextDelta, ToolChoice, TurnDone)
 from closedloop.models.batching import settle, settle_many
 from closedloop.models.decode_batch import DecodeBatch
+from closedloop.models.prompt_cache import PromptCache, PromptState, weights_signature
 from closedloop.models.chat_format import END_MARKERS, decode_ids, encode_prompt, parse_completion
 from closedloop.models.multimodal import require_text_only
 
@@ -84,6 +85,7 @@ _RECENT_PROMPTS = 256
 #: has the same two knobs: max_waiting_tokens, waiting_served_ratio). Measured on the tiny model at 8
 #: and 32 in-process clients: 8 steps and a ratio of 2 gave 15-30% more requests/s than 2 and 8,
 #: because each admission costs a prefill pass, about as much as a decode step of the whole batch.
+#: Requests whose prompts the prompt cache holds cost no prefill pass and join at the next step.
 _ADMIT_AFTER_STEPS = 8
 _ADMIT_WAITING_RATIO = 2
 
@@ -170,7 +172,7 @@ class HFClient(ModelClient):
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str = "", max_batch_size: int = 16,
-                 batch_wait_ms: float = 5.0, batch_gap_ms: float | None = None):
+                 batch_wait_ms: float = 5.0, batch_gap_ms: float | None = None, prompt_cache_tokens: int = 0):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if batch_wait_ms < 0:
@@ -226,12 +228,19 @@ class HFClient(ModelClient):
         pad = getattr(tokenizer, "pad_token_id", None)
         self._pad_id = pad if pad is not None else min(self._eos_ids)
         self._end_markers = tuple(self.decode([i]) for i in sorted(self._eos_ids))
+        #: Repeated prompts join from their cached prefill state (see :mod:`closedloop.models.prompt_cache`);
+        #: ``None`` when ``prompt_cache_tokens`` is 0 or the model's cache cannot be merged.
+        if prompt_cache_tokens < 0:
+            raise ValueError("prompt_cache_tokens must be >= 0")
+        self.prompt_cache = PromptCache(prompt_cache_tokens) \
+            if prompt_cache_tokens and DecodeBatch.can_merge(model) else None
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: Any = "auto", max_batch_size: int = 16,
-                        batch_wait_ms: float = 5.0, **model_kwargs: Any) -> "HFClient":
+                        batch_wait_ms: float = 5.0, prompt_cache_tokens: int = 0,
+                        **model_kwargs: Any) -> "HFClient":
         """Load a checkpoint directory (or a hub id, through transformers' own cache).
 
         ``dtype``: ``"auto"`` (the checkpoint's), a ``torch.dtype`` or its name (``"bfloat16"``).
@@ -246,15 +255,17 @@ class HFClient(ModelClient):
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **model_kwargs).to(device)
         model.eval()
-        return cls(model, tokenizer, name=str(path), max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms)
+        return cls(model, tokenizer, name=str(path), max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
+                   prompt_cache_tokens=prompt_cache_tokens)
 
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, *, name: str = "", max_batch_size: int = 16,
-                   batch_wait_ms: float = 5.0, batch_gap_ms: float | None = None) -> "HFClient":
+                   batch_wait_ms: float = 5.0, batch_gap_ms: float | None = None,
+                   prompt_cache_tokens: int = 0) -> "HFClient":
         """Wrap an already-loaded model (e.g. a trainer's live policy): no copy, no reload, so
         generations always use the current weights."""
         return cls(model, tokenizer, name=name, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
-                   batch_gap_ms=batch_gap_ms)
+                   batch_gap_ms=batch_gap_ms, prompt_cache_tokens=prompt_cache_tokens)
 
     def _stop_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -359,7 +370,8 @@ class HFClient(ModelClient):
         return {"batches": len(sizes), "requests": sum(sizes), "max_batch": max(sizes, default=0),
                 "histogram": dict(sorted(Counter(sizes).items())), "cancelled_rows": self.cancelled_rows,
                 "decode_steps": self.decode_steps,
-                "mean_rows_per_step": self.decode_rows / self.decode_steps if self.decode_steps else 0.0}
+                "mean_rows_per_step": self.decode_rows / self.decode_steps if self.decode_steps else 0.0,
+                "prompt_cache": self.prompt_cache.stats() if self.prompt_cache is not None else None}
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -373,11 +385,20 @@ class HFClient(ModelClient):
             self._pausing += 1
         try:
             with self.weights_lock:
-                yield
+                # the weights may change in here, and not always visibly to version counters (``.data``)
+                self._clear_prompt_cache()
+                try:
+                    yield
+                finally:
+                    self._clear_prompt_cache()
         finally:
             with self._pausing_lock:
                 self._pausing -= 1
                 self._pausing_lock.notify_all()
+
+    def _clear_prompt_cache(self) -> None:
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
 
     def _acquire_unpaused(self) -> bool:
         """Take ``weights_lock`` for a new batch, but never ahead of a waiting :meth:`paused`;
@@ -567,7 +588,8 @@ class HFClient(ModelClient):
                     # Each admission costs a prefill pass, about one decode step: a busy batch lets
                     # newcomers gather for up to _ADMIT_AFTER_STEPS steps (or until enough wait).
                     if waiting and (waiting >= max(1, running // _ADMIT_WAITING_RATIO)
-                                    or self.decode_steps - (first_wait or 0) >= _ADMIT_AFTER_STEPS):
+                                    or self.decode_steps - (first_wait or 0) >= _ADMIT_AFTER_STEPS
+                                    or self._all_cached_waiting()):
                         first_wait = None
                         reqs, stopping = self._drain(self.max_batch_size - running)
                         if reqs:
@@ -579,6 +601,17 @@ class HFClient(ModelClient):
         finally:
             if holding:
                 self.weights_lock.release()
+
+    def _all_cached_waiting(self) -> bool:
+        """Whether every queued request's prompt is in the prompt cache (admitting them costs no
+        prefill pass, so they need not wait for company)."""
+        cache = self.prompt_cache
+        if cache is None or getattr(self.model, "training", False):
+            return False
+        with self._queue.mutex:  # a consistent view of what is queued now
+            waiting = list(self._queue.queue)
+        return all(req is not None and req.encoded is not None and req.encoded[1] is None and not req.encoded[2]
+                   and cache.holds(tuple(req.encoded[0])) for req in waiting)
 
     def _admit(self, reqs: list[_Request], active: DecodeBatch | None) -> DecodeBatch | None:
         """Prefill the requests still wanted and join them to ``active`` (or start a batch)."""
@@ -605,9 +638,7 @@ class HFClient(ModelClient):
             log.warning("%s: generating while the model is in train mode: dropout, if the model has any, "
                         "is active in sampling and in the recorded logprobs", self.spec)
         try:
-            device = next(self.model.parameters()).device
-            fresh = DecodeBatch.prefill(self.model, rows, pad=self._pad_id, cache_kw=self._cache_kw, device=device,
-                                        extra_inputs=self._prefill_inputs(rows, device))
+            fresh = self._prefill(rows, next(self.model.parameters()).device)
             if active is None:
                 return fresh
             live = _live_rows(active)
@@ -619,6 +650,46 @@ class HFClient(ModelClient):
             for row in rows:
                 self._resolve(row.req, error=ModelError(f"generation failed: {type(e).__name__}: {e}"))
             return active
+
+    def _prefill(self, rows: list[_Row], device: Any) -> DecodeBatch:
+        """A batch of ``rows`` ready to sample: a prefill pass over the prompts the prompt cache does
+        not hold (each distinct prompt once), the others from their cached states."""
+        cache = self.prompt_cache
+        if cache is None or getattr(self.model, "training", False):
+            return DecodeBatch.prefill(self.model, rows, pad=self._pad_id, cache_kw=self._cache_kw, device=device,
+                                       extra_inputs=self._prefill_inputs(rows, device))
+        cache.validate(weights_signature(self.model))
+        misses: list[_Row] = []
+        first_miss: dict[tuple[int, ...], int] = {}  # prompt -> its row among the misses
+        reused: list[tuple[_Row, tuple[int, ...], PromptState | None]] = []  # None: the state comes from this prefill
+        for row in rows:
+            if row.extras is not None or row.media:  # the state depends on more than the token ids
+                misses.append(row)
+                continue
+            key = tuple(row.prompt_ids)
+            if key in first_miss:
+                cache.hits += 1  # a copy of a prompt prefilled in this pass
+                reused.append((row, key, None))
+            elif (state := cache.get(key)) is not None:
+                reused.append((row, key, state))
+            else:
+                first_miss[key] = len(misses)
+                misses.append(row)
+        batch = None
+        if misses:
+            batch = DecodeBatch.prefill(self.model, misses, pad=self._pad_id, cache_kw=self._cache_kw, device=device,
+                                        extra_inputs=self._prefill_inputs(misses, device))
+            new = {key: batch.row_state(i) for key, i in first_miss.items()}
+            for key, state in new.items():
+                cache.put(key, state)
+        if reused:
+            states = [state if state is not None else new[key] for _, key, state in reused]
+            joined = DecodeBatch.from_states(self.model, [row for row, _, _ in reused], states, device=device)
+            if batch is None:
+                return joined
+            batch.merge(joined)
+        assert batch is not None
+        return batch
 
     def _step(self, batch: DecodeBatch) -> DecodeBatch | None:
         """Draw one token for every row, finish the rows that ended, feed the rest one step."""

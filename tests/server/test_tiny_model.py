@@ -9,6 +9,7 @@ minute or more on CPU.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -42,8 +43,8 @@ def tokenizer(tiny_path):
 
 
 @pytest.fixture(scope="module")
-def cli_server(tiny_path):
-    """``closedloop serve`` as a user starts it; yields the base URL."""
+def cli_server_process(tiny_path):
+    """``closedloop serve`` as a user starts it; yields the process and the base URL."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "closedloop", "serve", "--model", f"hf:{tiny_path}",
                              "--port", str(port), "--served-name", "tiny", "--max-tokens", "48",
@@ -63,12 +64,18 @@ def cli_server(tiny_path):
             proc.kill()
             pytest.fail("closedloop serve did not come up in 120 s")
         time.sleep(0.2)
-    yield url
+    yield proc, url
     proc.terminate()
     try:
         proc.wait(timeout=15)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def cli_server(cli_server_process):
+    """The base URL of ``closedloop serve``."""
+    return cli_server_process[1]
 
 
 @pytest.fixture
@@ -89,6 +96,33 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
 
 def test_models_endpoint_names_the_served_model(cli_server):
     assert [m["id"] for m in httpx.get(f"{cli_server}/models").json()["data"]] == ["tiny"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="CPU binding needs Linux and two CPUs")
+def test_the_engine_and_the_server_run_on_separate_cpus(cli_server_process):
+    proc, _ = cli_server_process
+    children = [int(pid) for task in Path(f"/proc/{proc.pid}/task").iterdir()
+                for pid in (task / "children").read_text().split()]
+    engine = [pid for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
+              and "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(engine) == 1
+    cpus = sorted(os.sched_getaffinity(0))
+    assert os.sched_getaffinity(engine[0]) == {cpus[-1]}  # --torch-threads 1: one CPU, the last
+    assert os.sched_getaffinity(proc.pid) == set(cpus[:-1])
+
+
+async def test_a_repeated_prompt_comes_from_the_prompt_cache(client, cli_server):
+    def cache() -> dict:
+        return httpx.get(cli_server.removesuffix("/v1") + "/health").json()["batches"]["prompt_cache"]
+
+    msgs = [UserMessage(content="Is the prompt cache on?")]
+    first = await client.generate(msgs, params=GREEDY)
+    hits = cache()["hits"]
+    again = await client.generate(msgs, params=GREEDY)
+    assert cache()["hits"] == hits + 1
+    assert again.completion_ids == first.completion_ids
+    assert max(abs(a - b) for a, b in zip(again.logprobs, first.logprobs)) < 1e-5
 
 
 async def test_plain_chat_is_token_exact(client, tokenizer):
