@@ -3,8 +3,9 @@
 Why: with the model in a child process (:mod:`closedloop.models.engine_process`), the scheduler
 moves the decode thread between cores as the server's threads and the load come and go, and every
 move costs it its caches. On a 2-core machine at 32 clients, giving the engine one core and the
-server the other served 23% more requests per second than leaving placement to the scheduler
-(``benchmarks/bench_serve.py``). vLLM's CPU backend binds its engine threads to cores for the same
+server the other served 22-27% more requests per second than leaving placement to the scheduler
+(``benchmarks/bench_serve.py --peer none --concurrency 32`` with and without ``--engine-cpus none``,
+medians of 4 interleaved runs: 455 vs 359 with the prompt cache, 467 vs 384 without). vLLM's CPU backend binds its engine threads to cores for the same
 reason (``VLLM_CPU_OMP_THREADS_BIND``). Linux only (``os.sched_setaffinity``); elsewhere nothing
 is bound.
 """

@@ -85,7 +85,9 @@ _RECENT_PROMPTS = 256
 #: has the same two knobs: max_waiting_tokens, waiting_served_ratio). Measured on the tiny model at 8
 #: and 32 in-process clients: 8 steps and a ratio of 2 gave 15-30% more requests/s than 2 and 8,
 #: because each admission costs a prefill pass, about as much as a decode step of the whole batch.
-#: Requests whose prompts the prompt cache holds cost no prefill pass and join at the next step.
+#: Admitting prompt-cache hits at once instead (they cost no prefill pass) was no faster at 32
+#: clients over HTTP (593 vs 614 requests/s, medians of 4 interleaved runs): each admission still
+#: copies the batch's KV cache.
 _ADMIT_AFTER_STEPS = 8
 _ADMIT_WAITING_RATIO = 2
 
@@ -588,8 +590,7 @@ class HFClient(ModelClient):
                     # Each admission costs a prefill pass, about one decode step: a busy batch lets
                     # newcomers gather for up to _ADMIT_AFTER_STEPS steps (or until enough wait).
                     if waiting and (waiting >= max(1, running // _ADMIT_WAITING_RATIO)
-                                    or self.decode_steps - (first_wait or 0) >= _ADMIT_AFTER_STEPS
-                                    or self._all_cached_waiting()):
+                                    or self.decode_steps - (first_wait or 0) >= _ADMIT_AFTER_STEPS):
                         first_wait = None
                         reqs, stopping = self._drain(self.max_batch_size - running)
                         if reqs:
@@ -601,17 +602,6 @@ class HFClient(ModelClient):
         finally:
             if holding:
                 self.weights_lock.release()
-
-    def _all_cached_waiting(self) -> bool:
-        """Whether every queued request's prompt is in the prompt cache (admitting them costs no
-        prefill pass, so they need not wait for company)."""
-        cache = self.prompt_cache
-        if cache is None or getattr(self.model, "training", False):
-            return False
-        with self._queue.mutex:  # a consistent view of what is queued now
-            waiting = list(self._queue.queue)
-        return all(req is not None and req.encoded is not None and req.encoded[1] is None and not req.encoded[2]
-                   and cache.holds(tuple(req.encoded[0])) for req in waiting)
 
     def _admit(self, reqs: list[_Request], active: DecodeBatch | None) -> DecodeBatch | None:
         """Prefill the requests still wanted and join them to ``active`` (or start a batch)."""

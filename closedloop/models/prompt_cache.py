@@ -8,6 +8,10 @@ cached state with no forward pass at all, and copies of one prompt admitted toge
 once. This is vLLM's automatic prefix caching restricted to whole prompts, which is what a padded
 ``DynamicCache`` batch can reuse without a second kernel path: a partial hit would need the
 remainder prefilled against a per-row past, which transformers' padded prefill cannot take.
+On a 2-core machine, ``closedloop serve`` with the tiny model at 32 clients cycling through six
+prompts served 614 requests/s with the cache and 461 without (medians of 4 interleaved runs of
+``benchmarks/bench_serve.py --peer none --concurrency 32``, with and without
+``--prompt-cache-tokens 0``).
 
 Stale states are never served: the cache remembers a signature of the weights (each parameter's
 storage and in-place version counter, which ``optimizer.step``, ``load_state_dict`` and
