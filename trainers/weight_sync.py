@@ -164,7 +164,7 @@ class InProcessSync:
         if self.kind == "vllm":
             count = self.client.load_weights(named_weights(model))  # type: ignore[attr-defined]
         else:
-            from closedloop.server.weights import load_into_hf
+            from closedloop.models.weights import load_into_hf
 
             count = load_into_hf(self.client, dict(named_weights(model)))
         log.debug("step %d: pushed %d tensors to %s in %.2fs", step, count, self.kind, time.perf_counter() - t0)

@@ -41,6 +41,7 @@ from typing import Any, AsyncIterator, Callable, Iterable
 from closedloop.messages import Turn, _Message
 from closedloop.models.base import (ModelClient, ModelError, ModelUnavailableError, SamplingParams, StreamEvent,
                                     TextDelta, ToolChoice, TurnDone)
+from closedloop.models.weights import load_weights_into
 
 log = logging.getLogger("closedloop.models.engine_process")
 
@@ -179,8 +180,6 @@ class _EngineServer:
             self._send(("error", rid, _portable(e)))
 
     async def _load_weights(self, rid: int, state: dict[str, Any]) -> None:
-        from closedloop.server.weights import load_weights_into
-
         try:
             count = await asyncio.to_thread(load_weights_into, self.client, state)
         except Exception as e:  # noqa: BLE001
@@ -399,7 +398,7 @@ class EngineProcessClient(ModelClient):
 
     def load_weights(self, items: Iterable[tuple[str, Any]]) -> int:
         """Copy these tensors into the child's model in place, between batches; returns how many.
-        (What :func:`closedloop.server.weights.load_weights_into` calls.)"""
+        (What :func:`closedloop.models.weights.load_weights_into` calls.)"""
         return int(self._call("weights", dict(items)))
 
     @property

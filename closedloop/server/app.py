@@ -55,7 +55,7 @@ Admin endpoints (closedloop-specific, for a trainer whose rollouts come from thi
 * ``GET /closedloop/v1/weights`` reports whether weight updates are allowed and the last load.
 * ``POST /closedloop/v1/load_weights {"path": DIR, "step": N}`` reloads the served ``hf:`` (or
   ``vllm:``) model's weights in place from a Hugging Face directory (``config.json`` +
-  safetensors) on the server's filesystem (:mod:`closedloop.server.weights`): checked whole
+  safetensors) on the server's filesystem (:mod:`closedloop.models.weights`): checked whole
   before anything is copied (400 naming the problem otherwise), applied while no batch decodes.
   It is off unless the server was started with ``--allow-weight-updates`` (403 otherwise),
   because it lets any caller replace the model and read local directories: meant for a trainer
@@ -395,7 +395,7 @@ class _Server:
 
     async def load_weights(self, request: Request) -> WeightsStatus:
         """Reload the served weights from a directory (see the module docstring)."""
-        from closedloop.server.weights import UnsupportedBackend, WeightsError, load_weights_into, read_hf_weights, \
+        from closedloop.models.weights import UnsupportedBackend, WeightsError, load_weights_into, read_hf_weights, \
             served_model_type
 
         if not self.weights.weight_updates:

@@ -16,7 +16,7 @@ from closedloop.models import ContextLengthExceededError, SamplingParams, TextDe
 from closedloop.models.base import ModelUnavailableError
 from closedloop.models.engine_process import EngineProcessClient
 from closedloop.models.tiny import endless_client
-from closedloop.server.weights import WeightsError, served_model_type
+from closedloop.models.weights import WeightsError, served_model_type
 
 pytestmark = pytest.mark.slow
 

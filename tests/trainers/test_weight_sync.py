@@ -206,7 +206,7 @@ def test_serve_refuses_weight_updates_for_a_remote_model():
 
 def test_save_weights_writes_a_loadable_directory(tiny_model_path, tmp_path):
     from closedloop.models.hf import HFClient
-    from closedloop.server.weights import read_hf_weights
+    from closedloop.models.weights import read_hf_weights
 
     model = HFClient.from_pretrained(tiny_model_path).model
     sync = ClosedloopServerSync("http://127.0.0.1:9", tmp_path)
