@@ -56,6 +56,7 @@ from rich.table import Table
 from closedloop.messages import UserMessage
 from closedloop.models import ModelError, SamplingParams
 from closedloop.models.openai_client import OpenAIClient
+from closedloop.models.prompt_cache import SERVE_PROMPT_CACHE_TOKENS
 
 PROMPTS = ["What is 3 plus 4?", "What is the weather in Paris?", "Hello!", "Multiply 6 by 7.",
            "Tell me a joke.", "How is the weather in Oslo?", "What is 12 + 30?", "Who are you?"]
@@ -267,7 +268,7 @@ def in_process(model: Path, args: argparse.Namespace, prompts: list[str]) -> lis
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     client = HFClient.from_pretrained(model, max_batch_size=args.max_batch_size, batch_wait_ms=0,
-                                      prompt_cache_tokens=8192 if args.prompt_cache_tokens is None
+                                      prompt_cache_tokens=SERVE_PROMPT_CACHE_TOKENS if args.prompt_cache_tokens is None
                                       else args.prompt_cache_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, seed=args.seed)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from closedloop.models.prompt_cache import SERVE_PROMPT_CACHE_TOKENS
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -20,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="hf: how long an idle decoder waits for more requests before it starts (default 0: a "
                         "server's requests arrive independently, and any that arrive later join the running "
                         "batch at its next token)")
-    p.add_argument("--prompt-cache-tokens", type=int, default=8192,
+    p.add_argument("--prompt-cache-tokens", type=int, default=SERVE_PROMPT_CACHE_TOKENS,
                    help="hf: prompt tokens whose prefill state (KV cache, next-token logits) is kept, so a repeated "
                         "prompt joins the batch without a prefill pass (as vLLM's prefix caching, for whole "
                         "prompts; emptied whenever the weights change); 0 turns it off")

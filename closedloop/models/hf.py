@@ -658,7 +658,7 @@ class HFClient(ModelClient):
                 continue
             key = tuple(row.prompt_ids)
             if key in first_miss:
-                cache.hits += 1  # a copy of a prompt prefilled in this pass
+                cache.count_reuse()
                 reused.append((row, key, None))
             elif (state := cache.get(key)) is not None:
                 reused.append((row, key, state))

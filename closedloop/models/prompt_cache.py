@@ -44,6 +44,10 @@ class PromptState:
         return int(self.keys[0].shape[-2]) if self.keys else 0
 
 
+#: ``closedloop serve``'s default budget (``--prompt-cache-tokens``); ``HFClient`` defaults to no cache.
+SERVE_PROMPT_CACHE_TOKENS = 8192
+
+
 def weights_signature(model: Any) -> tuple[tuple[int, int], ...]:
     """What changes whenever a parameter's values may have changed: its storage and version."""
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
@@ -91,6 +95,10 @@ class PromptCache:
         self._entries.move_to_end(key)
         self.hits += 1
         return state
+
+    def count_reuse(self) -> None:
+        """A copy of a prompt prefilled in the same pass: served without a prefill of its own (a hit)."""
+        self.hits += 1
 
     def put(self, key: Hashable, state: PromptState) -> None:
         """Keep ``state`` (a prompt longer than the whole budget is not kept)."""
