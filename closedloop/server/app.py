@@ -91,12 +91,16 @@ from closedloop.server.schemas import (ChatCompletion, ChatCompletionRequest, Ch
                                        CompletionTokensDetails, DiscardedAttempt, ErrorBody, ErrorResponse,
                                        LoadWeightsRequest, ModelCard, ModelList, ResponseFunctionCall, ResponseMessage,
                                        ResponseToolCall, TokenLogprob, UsageInfo, WeightsStatus)
+from closedloop.server.stream_text import VisibleText
 
 log = logging.getLogger("closedloop.server")
 
 # Markup a local model writes that never reaches ``content``; a streamed delta is held back while
-# the text so far could be the start of one of these.
+# the text so far could be the start of one of these (see closedloop.server.stream_text).
 _MARKERS = (TOOL_CALL_OPEN, THINK_OPEN, *END_MARKERS)
+#: A streamed delta at least this long is matched against the markers on a thread, not on the event loop
+#: (a token's few characters cost microseconds there, less than the hop to a thread).
+_BIG_DELTA = 64 * 1024
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_TOKENS_CAP = 32768
@@ -349,28 +353,6 @@ def _discarded(client: ModelClient, turn: Turn, req: ChatCompletionRequest) -> D
                             logprobs=_logprobs(client, turn) if req.logprobs else None)
 
 
-def _visible_prefix(raw: str, stops: list[str] | None = None) -> str:
-    """The part of raw streamed text certain to be in the final ``content``: cut at markup and stop
-    strings (the backend streams them, the reply leaves them out), with a possible partial marker
-    and surrounding whitespace held back (the parser strips content)."""
-    markers = _MARKERS + tuple(stops or ())
-    cut = len(raw)
-    for m in markers:
-        idx = raw.find(m)
-        if idx != -1:
-            cut = min(cut, idx)
-    text = raw[:cut]
-    if cut == len(raw):
-        hold = 0
-        for m in markers:
-            for k in range(min(len(m) - 1, len(text)), 0, -1):
-                if text.endswith(m[:k]):
-                    hold = max(hold, k)
-                    break
-        text = text[:len(text) - hold]
-    return text.strip()
-
-
 # --------------------------------------------------------------------------- the app
 
 
@@ -560,8 +542,8 @@ class _Server:
                 await queue.put((i, e))
 
         tasks = [asyncio.create_task(run_choice(i)) for i in range(req.n)]
-        raw = [""] * req.n
-        sent = [""] * req.n
+        markers = tuple(dict.fromkeys(_MARKERS + tuple(req.stop or ())))
+        visible = [VisibleText(markers) for _ in range(req.n)]
         turns: list[Turn | None] = [None] * req.n
         try:
             for i in range(req.n):
@@ -577,10 +559,10 @@ class _Server:
                     yield "data: [DONE]\n\n"
                     return
                 if isinstance(ev, TextDelta):
-                    raw[i] += ev.text
-                    visible = _visible_prefix(raw[i], req.stop)
-                    if visible.startswith(sent[i]) and len(visible) > len(sent[i]):
-                        delta, sent[i] = visible[len(sent[i]):], visible
+                    # Linear in the text whatever the stop strings (stream_text); a huge delta on a thread.
+                    delta = await asyncio.to_thread(visible[i].feed, ev.text) if len(ev.text) >= _BIG_DELTA \
+                        else visible[i].feed(ev.text)
+                    if delta:
                         yield chunk([{"index": i, "delta": {"content": delta}, "logprobs": None,
                                       "finish_reason": None}])
                     continue
@@ -588,11 +570,11 @@ class _Server:
                     continue
                 turn = turns[i] = self.offered(ev.turn, tools, self.sampling(req, i))
                 remaining -= 1
-                final = _content(turn) or ""
-                if final.startswith(sent[i]) and len(final) > len(sent[i]):
-                    yield chunk([{"index": i, "delta": {"content": final[len(sent[i]):]}, "logprobs": None,
+                final, sent = _content(turn) or "", visible[i].sent()
+                if final.startswith(sent) and len(final) > len(sent):
+                    yield chunk([{"index": i, "delta": {"content": final[len(sent):]}, "logprobs": None,
                                   "finish_reason": None}])
-                elif not final.startswith(sent[i]):
+                elif not final.startswith(sent):
                     log.warning("streamed text diverged from the final content of choice %d", i)
                 for k, call in enumerate(_tool_calls(turn) or []):
                     yield chunk([{"index": i, "delta": {"tool_calls": [{"index": k, **call.model_dump()}]},

@@ -21,6 +21,9 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 #: OpenAI's rule for function names (its API rejects others with a 400).
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+#: Longest stop string accepted (closedloop's bound; OpenAI documents none). Stop strings are held
+#: back while a stream may be inside one, and checked by the backend at every token.
+MAX_STOP_CHARS = 1024
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -112,6 +115,9 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("at most 4 stop sequences are allowed")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"stop sequences may be at most {MAX_STOP_CHARS} characters long; one has {longest}")
         return stops or None
 
     @field_validator("tools")
