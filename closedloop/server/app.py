@@ -82,6 +82,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from closedloop.messages import AssistantMessage, Turn, _Message, content_text
 from closedloop.models.chat_format import END_MARKERS, THINK_OPEN, TOOL_CALL_OPEN
@@ -237,11 +238,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
         raise too_large(f"{int(declared)} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(f"over {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(f"over {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or closed by the body read timeout (closedloop.server.connections)
+        raise APIError(408, "the request body did not arrive whole", code="request_timeout") from None
     return b"".join(chunks)
 
 
