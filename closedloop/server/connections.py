@@ -39,9 +39,9 @@ class ConnectionLimits(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    header_timeout_s: float = Field(default=20.0, gt=0)
-    body_timeout_s: float = Field(default=60.0, gt=0)
-    idle_timeout_s: float = Field(default=5.0, gt=0)
+    header_timeout_s: float = Field(default=20.0, gt=0, allow_inf_nan=False)
+    body_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    idle_timeout_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     max_connections: int = Field(default=1000, ge=1)
 
 

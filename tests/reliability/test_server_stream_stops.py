@@ -145,3 +145,19 @@ def test_a_stop_string_of_the_longest_length_still_stops_the_stream():
             deltas = [json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
                       for line in r.iter_lines() if line.startswith("data: {")]
     assert "".join(deltas) == "before" and all("z" not in d for d in deltas)
+
+
+def test_a_huge_delta_is_cut_at_its_stop_string():
+    """A delta of 64 KiB or more is matched on a thread: the same text comes out."""
+
+    class OneBigDelta(EndlessStream):
+        async def stream(self, messages, tools=None, params=None, tool_choice=None):
+            yield TextDelta("  " + "w" * 200_000 + "END" + "v" * 1000)
+            yield TurnDone(self._turn("w" * 200_000, "stop"))
+
+    with serve_app(create_app(OneBigDelta(), "endless")) as url:
+        body = {"model": "endless", "stream": True, "stop": ["END"], "messages": [{"role": "user", "content": "x"}]}
+        with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=LIVENESS_S) as r:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                      for line in r.iter_lines() if line.startswith("data: {")]
+    assert deltas.count("w" * 200_000) == 1 and "".join(deltas) == "w" * 200_000

@@ -33,6 +33,7 @@ def serve(*args: str) -> subprocess.CompletedProcess:
     (["--model", "hf:/nowhere", "--header-timeout", "0"], "--header-timeout"),
     (["--model", "hf:/nowhere", "--body-timeout", "-1"], "--body-timeout"),
     (["--model", "hf:/nowhere", "--idle-timeout", "0"], "--idle-timeout"),
+    (["--model", "hf:/nowhere", "--header-timeout", "inf"], "--header-timeout"),
     (["--model", "hf:/nowhere", "--max-connections", "0"], "--max-connections"),
 ])
 def test_bad_arguments_exit_2(args, message):
