@@ -7,6 +7,9 @@ import sys
 
 from closedloop.models.prompt_cache import SERVE_PROMPT_CACHE_TOKENS
 
+# Defaults of closedloop.server.connections.ConnectionLimits, repeated so --help needs no server import.
+_LIMITS = {"header_timeout_s": 20.0, "body_timeout_s": 60.0, "idle_timeout_s": 5.0, "max_connections": 1000}
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -46,15 +49,27 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="largest request body accepted (413 above it; default 8 MiB)")
     p.add_argument("--max-tokens-cap", type=int, default=32768,
                    help="largest max_tokens a request may ask for (400 above it, as OpenAI)")
+    p.add_argument("--header-timeout", type=float, default=_LIMITS["header_timeout_s"], metavar="S",
+                   help="seconds a client has to send a request's line and headers, from opening the connection "
+                        "(or the request's first byte on a kept-alive one); then it is closed (default %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=_LIMITS["body_timeout_s"], metavar="S",
+                   help="seconds a client has to send a request's body after its headers (default %(default)s)")
+    p.add_argument("--idle-timeout", type=float, default=_LIMITS["idle_timeout_s"], metavar="S",
+                   help="seconds a kept-alive connection may wait for its next request (uvicorn's keep-alive "
+                        "timeout; default %(default)s)")
+    p.add_argument("--max-connections", type=int, default=_LIMITS["max_connections"], metavar="N",
+                   help="connections open at once; one more is answered 503 and closed (default %(default)s)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
     import uvicorn
+    from pydantic import ValidationError
 
     from closedloop.models import ModelClient, make_client, parse_spec
     from closedloop.server import create_app
+    from closedloop.server.connections import ConnectionLimits, uvicorn_config
 
     try:
         spec = parse_spec(args.model)
@@ -63,6 +78,19 @@ def handle(args: argparse.Namespace) -> int:
         return 2
     if not 0 < args.port < 65536:
         print(f"error: port {args.port} is out of range", file=sys.stderr)
+        return 2
+    if args.max_request_bytes < 1 or not 1 <= args.max_tokens <= args.max_tokens_cap:
+        print("error: --max-request-bytes must be >= 1 and --max-tokens between 1 and --max-tokens-cap",
+              file=sys.stderr)
+        return 2
+    try:
+        limits = ConnectionLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                                  idle_timeout_s=args.idle_timeout, max_connections=args.max_connections)
+    except ValidationError as e:
+        flags = {"header_timeout_s": "--header-timeout", "body_timeout_s": "--body-timeout",
+                 "idle_timeout_s": "--idle-timeout", "max_connections": "--max-connections"}
+        err = e.errors()[0]
+        print(f"error: {flags.get(str(err['loc'][0]), err['loc'][0])} {err['msg'].lower()}", file=sys.stderr)
         return 2
     kwargs = {}
     if spec.backend == "hf":
@@ -117,14 +145,10 @@ def handle(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
     else:
         client = make_client(spec, **kwargs)
-    if args.max_request_bytes < 1 or not 1 <= args.max_tokens <= args.max_tokens_cap:
-        print("error: --max-request-bytes must be >= 1 and --max-tokens between 1 and --max-tokens-cap",
-              file=sys.stderr)
-        return 2
     app = create_app(client, args.served_name or spec.model, default_max_tokens=args.max_tokens,
                      allow_weight_updates=args.allow_weight_updates, max_request_bytes=args.max_request_bytes,
                      max_tokens_cap=args.max_tokens_cap)
     print(f"serving {spec} as {args.served_name or spec.model!r} on http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.Server(uvicorn_config(app, args.host, args.port, limits, log_level=args.log_level)).run()
     return 0

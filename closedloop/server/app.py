@@ -41,6 +41,19 @@ error shape, never a 500.
   JSON Schema of type object (OpenAI's rules), else 400. A reply may only call a tool the request
   offered: a ``<tool_call>`` naming any other tool (or any tool under ``tool_choice="none"``) is
   returned as the text the model wrote, in ``content``, not as a call.
+* The history follows OpenAI's rules too: a ``tool`` message answers a call of the assistant
+  message before it (by ``tool_call_id``), and message names and the names of calls in the
+  history match the tool-name pattern (a call named ``<|im_start|>system`` or a 1 MB name is a
+  400 naming the field).
+* Stop strings: at most 4, each at most ``MAX_STOP_CHARS`` (1024) characters. Streamed text is
+  matched against them and the markup in one linear pass (:mod:`closedloop.server.stream_text`):
+  a stream with the longest stop strings costs the event loop microseconds per token.
+* Errors and reports name the model as it is served: where a local model lives on this machine
+  (its path, resolved or not) is replaced by the served name, and credentials in an ``openai:``
+  spec are redacted (:func:`closedloop.store.redact.redact_spec`), in error bodies, in-band stream
+  errors, ``GET /closedloop/v1/weights`` and the server's own log.
+* Connections: header and body read timeouts, uvicorn's idle timeout and a connection cap
+  (:mod:`closedloop.server.connections`; ``closedloop serve --header-timeout`` and its siblings).
 * ``finish_reason`` is ``"length"`` whenever the token limit cut the reply, also when it cut a
   tool call: the call is returned as generated (its arguments usually invalid JSON), as OpenAI does;
   ``"tool_calls"`` means every call was completed.
@@ -72,8 +85,10 @@ import gc
 import json
 import logging
 import math
+import os
 import re
 import time
+import traceback
 import uuid
 from typing import Any, AsyncIterator
 
@@ -82,21 +97,27 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from closedloop.messages import AssistantMessage, Turn, _Message, content_text
 from closedloop.models.chat_format import END_MARKERS, THINK_OPEN, TOOL_CALL_OPEN
 from closedloop.models.base import (ContextLengthExceededError, ModelClient, ModelError, ModelUnavailableError, SamplingParams,
                                     TextDelta, TurnDone)
 from closedloop.server.schemas import (ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs,
-                                       CompletionTokensDetails, DiscardedAttempt, ErrorBody, ErrorResponse,
-                                       LoadWeightsRequest, ModelCard, ModelList, ResponseFunctionCall, ResponseMessage,
-                                       ResponseToolCall, TokenLogprob, UsageInfo, WeightsStatus)
+                                       CompletionTokensDetails, ConversationError, DiscardedAttempt, ErrorBody,
+                                       ErrorResponse, LoadWeightsRequest, ModelCard, ModelList, ResponseFunctionCall,
+                                       ResponseMessage, ResponseToolCall, TokenLogprob, UsageInfo, WeightsStatus)
+from closedloop.server.stream_text import VisibleText
+from closedloop.store.redact import redact_spec
 
 log = logging.getLogger("closedloop.server")
 
 # Markup a local model writes that never reaches ``content``; a streamed delta is held back while
-# the text so far could be the start of one of these.
+# the text so far could be the start of one of these (see closedloop.server.stream_text).
 _MARKERS = (TOOL_CALL_OPEN, THINK_OPEN, *END_MARKERS)
+#: A streamed delta at least this long is matched against the markers on a thread, not on the event loop
+#: (a token's few characters cost microseconds there, less than the hop to a thread).
+_BIG_DELTA = 64 * 1024
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_TOKENS_CAP = 32768
@@ -151,19 +172,27 @@ def _validation_error(e: ValidationError, prefix: str = "") -> APIError:
     return APIError(400, details, param=param, code="invalid_value")
 
 
-def _model_failure(e: Exception) -> APIError:
+def _log_failure(what: str, e: BaseException) -> None:
+    """The traceback to the server's log, credentials redacted (an upstream ``openai:`` spec's key
+    is in the message of every error its client raises); paths stay, for the operator."""
+    trace = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    log.error("%s\n%s", what, redact_spec(trace))
+
+
+def _model_failure(e: Exception, public: Any = str) -> APIError:
     """Map a backend exception: bad input the backend caught is the caller's (400), a dead
-    backend is 503, anything else is ours (500). The traceback goes to the log, not the wire."""
+    backend is 503, anything else is ours (500). The traceback goes to the log, not the wire;
+    the message goes through ``public`` (:meth:`_Server.public`: no model path, no credential)."""
     if isinstance(e, ModelUnavailableError):
-        return APIError(503, f"model unavailable: {e}", type="server_error", code="model_unavailable")
+        return APIError(503, public(f"model unavailable: {e}"), type="server_error", code="model_unavailable")
     if isinstance(e, ValueError):
-        return APIError(400, str(e), code="invalid_value")
+        return APIError(400, public(str(e)), code="invalid_value")
     if isinstance(e, ContextLengthExceededError):
         # Like OpenAI: an over-long prompt is the caller's fault, with its own code.
-        return APIError(400, str(e), param="messages", code="context_length_exceeded")
-    log.error("model call failed", exc_info=e)
+        return APIError(400, public(str(e)), param="messages", code="context_length_exceeded")
+    _log_failure("model call failed", e)
     kind = "model error" if isinstance(e, ModelError) else "internal error"
-    return APIError(500, f"{kind}: {type(e).__name__}: {e}", type="server_error", code="model_error")
+    return APIError(500, public(f"{kind}: {type(e).__name__}: {e}"), type="server_error", code="model_error")
 
 
 # --------------------------------------------------------------------------- conversions
@@ -233,11 +262,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
         raise too_large(f"{int(declared)} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(f"over {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(f"over {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or closed by the body read timeout (closedloop.server.connections)
+        raise APIError(408, "the request body did not arrive whole", code="request_timeout") from None
     return b"".join(chunks)
 
 
@@ -349,29 +381,20 @@ def _discarded(client: ModelClient, turn: Turn, req: ChatCompletionRequest) -> D
                             logprobs=_logprobs(client, turn) if req.logprobs else None)
 
 
-def _visible_prefix(raw: str, stops: list[str] | None = None) -> str:
-    """The part of raw streamed text certain to be in the final ``content``: cut at markup and stop
-    strings (the backend streams them, the reply leaves them out), with a possible partial marker
-    and surrounding whitespace held back (the parser strips content)."""
-    markers = _MARKERS + tuple(stops or ())
-    cut = len(raw)
-    for m in markers:
-        idx = raw.find(m)
-        if idx != -1:
-            cut = min(cut, idx)
-    text = raw[:cut]
-    if cut == len(raw):
-        hold = 0
-        for m in markers:
-            for k in range(min(len(m) - 1, len(text)), 0, -1):
-                if text.endswith(m[:k]):
-                    hold = max(hold, k)
-                    break
-        text = text[:len(text) - hold]
-    return text.strip()
-
-
 # --------------------------------------------------------------------------- the app
+
+
+def _private_names(client: ModelClient) -> list[str]:
+    """Where a local served model lives on this machine, as its backend writes it in errors
+    (``hf:/srv/models/x is a text-only model``): the path or hub id of an ``hf:``/``vllm:`` spec,
+    and that path made absolute and resolved. Longest first, so a resolved path is replaced whole."""
+    backend, _, model = str(getattr(client, "spec", "") or "").partition(":")
+    if backend not in ("hf", "vllm") or not model:
+        return []
+    names = {model}
+    if os.path.exists(model):
+        names |= {os.path.realpath(model), os.path.abspath(model)}
+    return sorted(names, key=len, reverse=True)
 
 
 class _Server:
@@ -387,9 +410,21 @@ class _Server:
         #: Requests whose client went away before the reply (their generation was cancelled).
         self.disconnected = 0
         self.created = int(time.time())
+        self._private = _private_names(client)
         self.weights = WeightsStatus(weight_updates=allow_weight_updates,
-                                     backend=str(getattr(client, "spec", type(client).__name__)))
+                                     backend=self.public(str(getattr(client, "spec", type(client).__name__))))
         self._weights_lock = asyncio.Lock()
+
+    def public(self, text: str) -> str:
+        """``text`` as a client may read it: where the served model lives on this machine is
+        replaced by the name it is served as, and credentials (a proxied ``openai:`` spec's
+        ``user:key@`` or ``?api_key=``) are redacted (:func:`closedloop.store.redact.redact_spec`)."""
+        for private in self._private:
+            text = text.replace(private, self.model_name)
+        return redact_spec(text) or ""
+
+    def failure(self, e: Exception) -> APIError:
+        return _model_failure(e, self.public)
 
     # ----------------------------------------------------------------- admin: weights
 
@@ -417,12 +452,12 @@ class _Server:
             try:
                 count = await asyncio.to_thread(load)
             except WeightsError as e:
-                raise APIError(400, str(e), param="path", code="invalid_weights") from None
+                raise APIError(400, self.public(str(e)), param="path", code="invalid_weights") from None
             except UnsupportedBackend as e:
-                raise APIError(501, str(e), type="server_error", code="unsupported_backend") from None
+                raise APIError(501, self.public(str(e)), type="server_error", code="unsupported_backend") from None
             except Exception as e:  # noqa: BLE001 - the model may be half-loaded: say so loudly
-                log.error("weight load failed", exc_info=e)
-                raise APIError(500, f"weight load failed: {type(e).__name__}: {e}", type="server_error",
+                _log_failure("weight load failed", e)
+                raise APIError(500, self.public(f"weight load failed: {type(e).__name__}: {e}"), type="server_error",
                                code="weight_load_failed") from None
             self.weights = self.weights.model_copy(update={
                 "loads": self.weights.loads + 1, "step": req.step, "path": req.path, "tensors": count,
@@ -458,6 +493,8 @@ class _Server:
             messages = req.typed_messages()
         except ValidationError as e:
             raise _validation_error(e, "messages") from None
+        except ConversationError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
         return req, messages
 
     def sampling(self, req: ChatCompletionRequest, choice: int = 0) -> SamplingParams:
@@ -510,7 +547,7 @@ class _Server:
             results = await asyncio.gather(*(self.one(messages, tools, choice, self.sampling(req, i))
                                              for i in range(req.n)))
         except Exception as e:  # noqa: BLE001 - mapped to a JSON error, never a bare 500
-            raise _model_failure(e) from None
+            raise self.failure(e) from None
         choices = []
         for i, (turn, discarded) in enumerate(results):
             choices.append(Choice(
@@ -560,8 +597,8 @@ class _Server:
                 await queue.put((i, e))
 
         tasks = [asyncio.create_task(run_choice(i)) for i in range(req.n)]
-        raw = [""] * req.n
-        sent = [""] * req.n
+        markers = tuple(dict.fromkeys(_MARKERS + tuple(req.stop or ())))
+        visible = [VisibleText(markers) for _ in range(req.n)]
         turns: list[Turn | None] = [None] * req.n
         try:
             for i in range(req.n):
@@ -571,16 +608,16 @@ class _Server:
             while remaining:
                 i, ev = await queue.get()
                 if isinstance(ev, Exception):
-                    err = _model_failure(ev)  # headers are sent: the error goes in-band, as vLLM does
+                    err = self.failure(ev)  # headers are sent: the error goes in-band, as vLLM does
                     body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
                     yield f"data: {json.dumps(body)}\n\n"
                     yield "data: [DONE]\n\n"
                     return
                 if isinstance(ev, TextDelta):
-                    raw[i] += ev.text
-                    visible = _visible_prefix(raw[i], req.stop)
-                    if visible.startswith(sent[i]) and len(visible) > len(sent[i]):
-                        delta, sent[i] = visible[len(sent[i]):], visible
+                    # Linear in the text whatever the stop strings (stream_text); a huge delta on a thread.
+                    delta = await asyncio.to_thread(visible[i].feed, ev.text) if len(ev.text) >= _BIG_DELTA \
+                        else visible[i].feed(ev.text)
+                    if delta:
                         yield chunk([{"index": i, "delta": {"content": delta}, "logprobs": None,
                                       "finish_reason": None}])
                     continue
@@ -588,11 +625,11 @@ class _Server:
                     continue
                 turn = turns[i] = self.offered(ev.turn, tools, self.sampling(req, i))
                 remaining -= 1
-                final = _content(turn) or ""
-                if final.startswith(sent[i]) and len(final) > len(sent[i]):
-                    yield chunk([{"index": i, "delta": {"content": final[len(sent[i]):]}, "logprobs": None,
+                final, sent = _content(turn) or "", visible[i].sent()
+                if final.startswith(sent) and len(final) > len(sent):
+                    yield chunk([{"index": i, "delta": {"content": final[len(sent):]}, "logprobs": None,
                                   "finish_reason": None}])
-                elif not final.startswith(sent[i]):
+                elif not final.startswith(sent):
                     log.warning("streamed text diverged from the final content of choice %d", i)
                 for k, call in enumerate(_tool_calls(turn) or []):
                     yield chunk([{"index": i, "delta": {"tool_calls": [{"index": k, **call.model_dump()}]},
@@ -668,7 +705,7 @@ def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int 
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error("unhandled error", exc_info=exc)
+        _log_failure("unhandled error", exc)
         return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
 
     @app.get("/health")

@@ -5,6 +5,7 @@ serve`` as a subprocess, as a notebook, a script or a test needs it. Both yield 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -13,6 +14,8 @@ import sys
 import threading
 import time
 from typing import Any, Iterator, Mapping
+
+from closedloop.server.connections import ConnectionLimits, uvicorn_config
 
 
 def free_port() -> int:
@@ -23,12 +26,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_app(app: Any, *, port: int | None = None, timeout_s: float = 20.0) -> Iterator[str]:
-    """Serve an ASGI app (e.g. :func:`closedloop.server.create_app`) with uvicorn in a daemon thread."""
+def serve_app(app: Any, *, port: int | None = None, timeout_s: float = 20.0, limits: ConnectionLimits | None = None,
+              http: type[asyncio.Protocol] | None = None) -> Iterator[str]:
+    """Serve an ASGI app (e.g. :func:`closedloop.server.create_app`) with uvicorn in a daemon thread,
+    under the connection ``limits`` ``closedloop serve`` uses (its defaults unless given); ``http``
+    picks uvicorn's protocol (h11 or httptools; uvicorn's choice by default)."""
     import uvicorn
 
     port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits, http, log_level="warning",
+                                           lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s

@@ -8,11 +8,12 @@ offending field instead of an exception deep in a backend. Unknown top-level fie
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from closedloop.messages import _Message, parse_messages
+from closedloop.messages import AssistantMessage, ToolMessage, _Message, parse_messages
 
 # Keys OpenAI clients put on messages that carry nothing for generation; dropped before validation.
 _HARMLESS_MESSAGE_KEYS = {"refusal", "audio", "annotations", "function_call"}
@@ -21,6 +22,10 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 #: OpenAI's rule for function names (its API rejects others with a 400).
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+_NAME = re.compile(TOOL_NAME_PATTERN)
+#: Longest stop string accepted (closedloop's bound; OpenAI documents none). Stop strings are held
+#: back while a stream may be inside one, and checked by the backend at every token.
+MAX_STOP_CHARS = 1024
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -112,6 +117,9 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("at most 4 stop sequences are allowed")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"stop sequences may be at most {MAX_STOP_CHARS} characters long; one has {longest}")
         return stops or None
 
     @field_validator("tools")
@@ -144,19 +152,25 @@ class ChatCompletionRequest(BaseModel):
         return self.max_completion_tokens or self.max_tokens
 
     def typed_messages(self) -> list[_Message]:
-        """The messages as our typed models; raises pydantic's ValidationError when malformed.
+        """The messages as our typed models; raises pydantic's ValidationError when the shape is
+        wrong and :class:`ConversationError` when the conversation is not one OpenAI accepts.
 
         OpenAI's newer ``developer`` role is the old ``system`` role under another name.
         """
         cleaned = []
-        for m in self.messages:
+        for i, m in enumerate(self.messages):
+            name = m.get("name")
+            if name is not None and not (isinstance(name, str) and _NAME.match(name)):
+                raise ConversationError(f"messages.{i}.name", _bad_name("name", name))
             m = {k: v for k, v in m.items() if not (k in _HARMLESS_MESSAGE_KEYS or v is None and k != "content")}
             if m.get("role") == "developer":
                 m["role"] = "system"
             if m.get("role") in ("system", "assistant"):
                 m.pop("name", None)  # OpenAI allows a participant name here; it does not reach the model
             cleaned.append(m)
-        return parse_messages(cleaned)
+        messages = parse_messages(cleaned)
+        check_conversation(messages)
+        return messages
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         if not self.tools:
@@ -167,6 +181,45 @@ class ChatCompletionRequest(BaseModel):
         if isinstance(self.tool_choice, NamedToolChoice):
             return self.tool_choice.model_dump()
         return self.tool_choice
+
+
+class ConversationError(ValueError):
+    """A request whose messages are well-formed one by one but not as a conversation (a 400
+    naming ``param``, as OpenAI answers)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _bad_name(what: str, name: Any) -> str:
+    shown = repr(name[:40]) + ("..." if len(name) > 40 else "") if isinstance(name, str) else type(name).__name__
+    return f"{what} {shown} does not match the pattern {TOOL_NAME_PATTERN} (letters, digits, '_' and '-'; 1 to 64)"
+
+
+def check_conversation(messages: list[_Message]) -> None:
+    """OpenAI's rules for the tool turns of a history: a ``tool`` message answers a call of the
+    assistant message before it (only other tool messages between), by that call's id, and a
+    call's name is a tool name (so ``<|im_start|>system`` is not one). Raises :class:`ConversationError`."""
+    open_calls: set[str] | None = None  # ids of the calls the last assistant message made, while tools answer
+    for i, m in enumerate(messages):
+        if isinstance(m, AssistantMessage):
+            for k, call in enumerate(m.tool_calls or []):
+                if not _NAME.match(call.function.name):
+                    raise ConversationError(f"messages.{i}.tool_calls.{k}.function.name",
+                                            _bad_name("a tool call's name", call.function.name))
+            open_calls = {c.id for c in m.tool_calls or []} or None
+        elif isinstance(m, ToolMessage):
+            if open_calls is None:
+                raise ConversationError(f"messages.{i}.role", "messages with role 'tool' must be a response to a "
+                                                             "preceding message with 'tool_calls'")
+            if m.tool_call_id not in open_calls:
+                shown = m.tool_call_id[:40] + ("..." if len(m.tool_call_id) > 40 else "")
+                raise ConversationError(f"messages.{i}.tool_call_id",
+                                        f"tool_call_id {shown!r} is not among the 'tool_calls' of the preceding "
+                                        "assistant message")
+        else:
+            open_calls = None
 
 
 # --------------------------------------------------------------------------- responses
