@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from closedloop.evals.tau import load_domain
+from closedloop.evals.tau.conventions import Conventions
 from closedloop.evals.tau.metrics import compute_metrics
 from closedloop.evals.tau.results import load_tau2_results
 from closedloop.evals.tau.runner import EvalSettings, TauRunner, export_results
@@ -91,8 +92,11 @@ def test_export_meets_tau2_loader_requirements(export: Path) -> None:
 def test_export_reads_back_with_the_same_metrics(export: Path) -> None:
     sims, tasks, info = load_tau2_results(export)
     assert info["environment_info"]["domain_name"] == "retail" and len(sims) == 8
-    again = compute_metrics(sims)
-    assert again.pass_hat_k == {1: 1.0, 2: 1.0} and len(again.ungraded) == 2
+    assert info["conventions"] == {"gold_sync": False, "ungraded": "fail", "pass_k": "capped"}  # tau2's
+    again = compute_metrics(sims, ks=range(1, info["num_trials"] + 1))
+    assert again.pass_hat_k == {1: 0.75, 2: 0.75} and len(again.ungraded) == 2  # the unjudged task fails
+    ours = compute_metrics(sims, conventions=Conventions(ungraded="exclude"))
+    assert ours.pass_hat_k == {1: 1.0, 2: 1.0}
 
 
 @pytest.mark.skipif(not (GOLDEN / "results_tau2.json").is_file(), reason="tau2 golden fixtures not present")

@@ -99,13 +99,15 @@ async def test_concurrency_overlaps_episodes_and_records_each_once(mini_root, st
     # each trial's seed reached the user simulator's sampling
     seeds = trial_seeds(300, 2)
     assert sorted(set(user.seeds)) == sorted(seeds) and all(s.seed == seeds[s.trial] for s in sims)
-    # the oracle scores 1 on every graded task; the NL task has no judge and is listed apart
+    # the oracle scores 1 on every graded task; the NL task has no judge: listed, and a failure (tau2)
     m = report.metrics
-    assert m.pass_hat_k == {1: 1.0, 2: 1.0} and m.num_tasks == {1: 3, 2: 3} and len(m.ungraded) == 2
+    assert m.pass_hat_k == {1: 0.75, 2: 0.75} and m.num_tasks == {1: 4, 2: 4} and len(m.ungraded) == 2
+    assert m.avg_reward == 1.0 and m.num_graded == 6
     assert report.summary["termination_reasons"] == {"user_stop": 8}
     assert report.summary["usage"]["user"]["prompt_tokens"] == 8 * 2 * 7
     parent = find_eval(store, "conc")
-    assert parent.status == "completed" and parent.outcome["rewards"]["pass^2"] == 1.0
+    assert parent.status == "completed" and parent.outcome["rewards"]["pass^2"] == 0.75
+    assert parent.outcome["summary"]["conventions"] == {"gold_sync": False, "ungraded": "fail", "pass_k": "capped"}
 
 
 async def test_a_running_eval_cannot_be_resumed_by_a_second_writer(mini_root, store):
@@ -146,7 +148,7 @@ async def test_infrastructure_errors_are_listed_apart_and_rerun_on_resume(mini_r
     noop = next(s for s in report.simulations if s.task_id == "noop")
     assert noop.termination_reason == TerminationReason.INFRASTRUCTURE_ERROR and "127.0.0.1:9" in noop.error
     assert m.infrastructure_errors == [noop.id]
-    assert m.num_tasks[1] == 2 and m.pass_hat_k[1] == 1.0  # not counted as a failure
+    assert m.num_tasks[1] == 3 and m.pass_hat_k[1] == 2 / 3  # not counted (the ungraded NL task fails)
     assert [e["task_id"] for e in report.summary["infrastructure_errors"]] == ["noop"]
     parent = find_eval(store, "infra")
     statuses = {r.simulation.task_id: r.status for r in load_episodes(store, parent.id)}
@@ -154,7 +156,7 @@ async def test_infrastructure_errors_are_listed_apart_and_rerun_on_resume(mini_r
 
     resumed = await _runner(mini_root, store, "infra", lambda task: good, concurrency=2).run(resume=True)
     assert resumed.ran == 1 and resumed.reused == 3 and resumed.resumed
-    assert resumed.metrics.infrastructure_errors == [] and resumed.metrics.num_tasks[1] == 3
+    assert resumed.metrics.infrastructure_errors == [] and resumed.metrics.num_tasks[1] == 4
     assert len(load_episodes(store, parent.id)) == 5  # the failed attempt stays on record
     out = tmp_path / "results.json"
     n = export_results(store, "infra", load_domain("retail", mini_root).load_tasks("base").tasks, str(out))
