@@ -91,18 +91,18 @@ def handle(args: argparse.Namespace) -> int:
 
 def _import(args: argparse.Namespace) -> int:
     """``closedloop eval tau import results.json``: tau2's own results, pass^k and counts."""
-    from closedloop.evals.tau.metrics import compute_metrics
+    from closedloop.evals.tau.metrics import results_metrics
     from closedloop.evals.tau.results import load_tau2_results
 
     if not args.results:
         raise ValueError("import needs the path of a results.json")
     if not Path(args.results).exists():
         raise ValueError(f"{args.results} does not exist")
+    if args.gold_sync:
+        raise ValueError("--gold-sync changes how episodes are graded; an imported file was graded already "
+                         "(its info.conventions says how)")
     sims, tasks, info = load_tau2_results(args.results)
-    conventions = _conventions(args, info.get("conventions"))
-    trials = info.get("num_trials")  # tau2 reads k from the file's trial count, capped by the data
-    metrics = compute_metrics(sims, ks=range(1, trials + 1) if isinstance(trials, int) and trials > 0 else None,
-                              conventions=conventions)
+    metrics = results_metrics(sims, info, **_convention_flags(args))
     env = info.get("environment_info") or {}
     table = Table(title=f"τ results {escape(str(args.results))} ({escape(str(env.get('domain_name', '?')))}, "
                         f"{len(tasks)} tasks, {len(sims)} simulations)")
@@ -117,18 +117,14 @@ def _import(args: argparse.Namespace) -> int:
     table.add_row("ungraded (reward_info null)", str(len(metrics.ungraded)))
     table.add_row("infra errors", str(len(metrics.infrastructure_errors)))
     table.add_row("conventions", _conventions_text(metrics.conventions))
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 120, highlight=False).print(table)
     return 0
 
 
-def _conventions(args: argparse.Namespace, recorded: Any = None):
-    """The run's conventions: the flags given, else (import) what the file records, else tau2's."""
-    from closedloop.evals.tau.conventions import Conventions
-
-    base = Conventions.model_validate(recorded) if isinstance(recorded, dict) else Conventions()
-    given = {k: v for k, v in (("gold_sync", args.gold_sync or None), ("ungraded", args.ungraded),
-                               ("pass_k", args.pass_k)) if v is not None}
-    return base.model_copy(update=given)
+def _convention_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The conventions named on the command line (the others stay tau2's, or on import the file's)."""
+    return {k: v for k, v in (("gold_sync", args.gold_sync or None), ("ungraded", args.ungraded),
+                              ("pass_k", args.pass_k)) if v is not None}
 
 
 def _conventions_text(conventions: Any) -> str:
@@ -226,7 +222,7 @@ async def _tau(args: argparse.Namespace) -> int:
         trials=args.trials, concurrency=args.concurrency, max_steps=args.max_steps, max_errors=args.max_errors,
         episode_timeout_s=args.episode_timeout, seed=args.seed, clarify=args.clarify,
         temperature=None if oracle else args.temperature, max_tokens=None if oracle else args.max_tokens,
-        user_temperature=args.user_temperature, **_conventions(args).model_dump())
+        user_temperature=args.user_temperature, **_convention_flags(args))
 
     clients: list[Any] = []
     agent_client = None if oracle else make_client(args.model)

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from math import comb
-from typing import Iterable
+from typing import Any, Iterable
 
 from pydantic import BaseModel, Field
 
 from closedloop.evals.tau.conventions import Conventions
 from closedloop.evals.tau.simulation import SimulationRun, TerminationReason
 
-__all__ = ["Trial", "TauMetrics", "pass_hat_k", "compute_metrics", "is_success"]
+__all__ = ["Trial", "TauMetrics", "pass_hat_k", "compute_metrics", "results_metrics", "is_success"]
 
 SUCCESS_TOL = 1e-6
 
@@ -119,3 +119,15 @@ def compute_metrics(trials: Iterable[Trial | SimulationRun], ks: Iterable[int] |
         if values:
             out.pass_hat_k[k] = sum(values) / len(values)
     return out
+
+
+def results_metrics(trials: Iterable[Trial | SimulationRun], info: dict[str, Any], **overrides: Any) -> TauMetrics:
+    """A results file's metrics as tau2's ``compute_metrics`` reads the file: k up to its
+    ``info.num_trials`` (then capped by the data, as the conventions say), and the conventions
+    the file records (``info.conventions``; tau2's when it records none) with ``overrides``
+    (convention fields) applied."""
+    recorded = info.get("conventions")
+    conventions = Conventions.model_validate({**(recorded if isinstance(recorded, dict) else {}), **overrides})
+    num_trials = info.get("num_trials")
+    ks = range(1, num_trials + 1) if isinstance(num_trials, int) and num_trials > 0 else None
+    return compute_metrics(trials, ks, conventions=conventions)
