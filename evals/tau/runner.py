@@ -415,7 +415,7 @@ def export_results(store: RunStore, name: str, tasks: list[Task], path: str, *, 
     parent = find_eval(store, name)
     if parent is None:
         raise EvalConfigError(f"no evaluation named {name!r} in {store.path}")
-    cfg = EvalSettings.model_validate(parent.config)
+    cfg = EvalSettings.model_validate({**_STORED_BEFORE, **parent.config})  # an old eval says how it was graded
     sims = _plan_order(latest_episodes(load_episodes(store, parent.id)), tasks, cfg.trials)
     used = {s.task_id for s in sims}
     user_info: dict[str, Any] = {"implementation": "user_simulator" if cfg.user_model else "scenario_user",

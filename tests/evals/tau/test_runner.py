@@ -208,6 +208,13 @@ async def test_our_conventions_by_name_change_the_metrics_and_are_recorded(mini_
     # rerun under tau2's conventions: the same stored episodes, tau2's figures
     again = await _runner(mini_root, store, "ours", lambda task: SlowUser(), trials=2).run()
     assert again.ran == 0 and again.metrics.pass_hat_k == {1: 0.75, 2: 0.75}
+    # an evaluation stored before gold_sync existed was graded with it, and its export says so
+    parent = find_eval(store, "ours")
+    store.reopen_run(parent.id, {k: v for k, v in parent.config.items() if k not in ("gold_sync", "ungraded", "pass_k")})
+    store.finish_run(parent.id, "completed", {})
+    export_results(store, "ours", load_domain("retail", mini_root).load_tasks("base").tasks, str(out))
+    assert json.loads(out.read_text())["info"]["conventions"] == {"gold_sync": True, "ungraded": "fail",
+                                                                  "pass_k": "capped"}
 
 
 FIXTURES = Path(__file__).parent / "fixtures"
