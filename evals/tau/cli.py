@@ -59,6 +59,17 @@ def register(bench: argparse._SubParsersAction) -> None:
     t.add_argument("--resume", action="store_true",
                    help="resume --name, or the latest unfinished evaluation with this domain/split/agent/model")
     t.add_argument("--export", metavar="PATH", help="write tau2's results.json here when done")
+    c = t.add_argument_group("conventions", "tau2's by default; ours by name (recorded in the export's "
+                                            "info.conventions). See closedloop.evals.tau.conventions")
+    c.add_argument("--gold-sync", action="store_true",
+                   help="sync the two telecom DBs after each gold action, as live calls are (tau2's evaluator "
+                        "does not, so its db_match compares a synced trajectory with an unsynced gold state)")
+    c.add_argument("--ungraded", choices=["fail", "exclude"],
+                   help="an episode without a reward (no judge) in pass^k: a failure (tau2, the default) or "
+                        "left out; import: as the file's info.conventions says, else tau2's")
+    c.add_argument("--pass-k", choices=["capped", "per-task"],
+                   help="pass^k up to the smallest trial count of any task (tau2, the default), or each k over "
+                        "the tasks with k trials; import: as the file's info.conventions says, else tau2's")
     t.set_defaults(func=handle)
 
 
@@ -80,31 +91,56 @@ def handle(args: argparse.Namespace) -> int:
 
 def _import(args: argparse.Namespace) -> int:
     """``closedloop eval tau import results.json``: tau2's own results, pass^k and counts."""
-    from closedloop.evals.tau.metrics import compute_metrics
+    from closedloop.evals.tau.metrics import results_metrics
     from closedloop.evals.tau.results import load_tau2_results
 
     if not args.results:
         raise ValueError("import needs the path of a results.json")
     if not Path(args.results).exists():
         raise ValueError(f"{args.results} does not exist")
+    if args.gold_sync:
+        raise ValueError("--gold-sync changes how episodes are graded; an imported file was graded already "
+                         "(its info.conventions says how)")
     sims, tasks, info = load_tau2_results(args.results)
-    metrics = compute_metrics(sims)
+    metrics = results_metrics(sims, info, **_convention_flags(args))
     env = info.get("environment_info") or {}
     table = Table(title=f"τ results {escape(str(args.results))} ({escape(str(env.get('domain_name', '?')))}, "
                         f"{len(tasks)} tasks, {len(sims)} simulations)")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    table.add_row("avg reward", "-" if metrics.avg_reward is None else f"{metrics.avg_reward:.3f}")
-    for k, v in metrics.pass_hat_k.items():
-        table.add_row(f"pass^{k}", f"{v:.3f}  ({metrics.num_tasks[k]} tasks)")
+    table.add_row("avg reward", _fmt(metrics.avg_reward) + f"  over {metrics.num_graded} graded episodes")
+    _pass_k_rows(table, metrics)
     reasons: dict[str, int] = {}
     for s in sims:
         reasons[s.termination_reason.value] = reasons.get(s.termination_reason.value, 0) + 1
     table.add_row("terminations", ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())))
     table.add_row("ungraded (reward_info null)", str(len(metrics.ungraded)))
     table.add_row("infra errors", str(len(metrics.infrastructure_errors)))
-    Console().print(table)
+    table.add_row("conventions", _conventions_text(metrics.conventions))
+    Console(width=None if sys.stdout.isatty() else 120, highlight=False).print(table)
     return 0
+
+
+def _convention_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The conventions named on the command line (the others stay tau2's, or on import the file's)."""
+    return {k: v for k, v in (("gold_sync", args.gold_sync or None), ("ungraded", args.ungraded),
+                              ("pass_k", args.pass_k)) if v is not None}
+
+
+def _conventions_text(conventions: Any) -> str:
+    ours = conventions.not_tau2()
+    return "tau2's" if not ours else ", ".join(f"{k}={v}" for k, v in ours.items()) + " (not tau2's)"
+
+
+def _pass_k_rows(table: Table, m: Any) -> None:
+    """pass^k for each k asked; a k without a figure says which tasks are short of trials."""
+    for k in sorted(m.num_tasks):
+        if k in m.pass_hat_k:
+            table.add_row(f"pass^{k}", f"{_fmt(m.pass_hat_k[k])}  ({m.num_tasks[k]} tasks)")
+        else:
+            short = m.insufficient.get(k) or []
+            why = f"{len(short)} tasks have fewer than {k} trials (e.g. {short[0]})" if short else "no tasks"
+            table.add_row(f"pass^{k}", escape(f"-  ({why})"))
 
 
 def _git_commit() -> str:
@@ -186,7 +222,7 @@ async def _tau(args: argparse.Namespace) -> int:
         trials=args.trials, concurrency=args.concurrency, max_steps=args.max_steps, max_errors=args.max_errors,
         episode_timeout_s=args.episode_timeout, seed=args.seed, clarify=args.clarify,
         temperature=None if oracle else args.temperature, max_tokens=None if oracle else args.max_tokens,
-        user_temperature=args.user_temperature)
+        user_temperature=args.user_temperature, **_convention_flags(args))
 
     clients: list[Any] = []
     agent_client = None if oracle else make_client(args.model)
@@ -259,10 +295,8 @@ def _print_summary(console: Console, report: Any, store: Any) -> None:
     table.add_column("value")
     table.add_row("episodes", f"{len(report.simulations)} of {report.total} (ran {report.ran}, "
                               f"from store {report.reused}) in {report.wall_s:.1f}s")
-    table.add_row("avg reward", _fmt(m.avg_reward) + f"  over {m.num_trials} graded episodes")
-    for k in sorted(m.num_tasks):
-        value = m.pass_hat_k.get(k)
-        table.add_row(f"pass^{k}", f"{_fmt(value)}  ({m.num_tasks[k]} tasks)")
+    table.add_row("avg reward", _fmt(m.avg_reward) + f"  over {m.num_graded} graded episodes")
+    _pass_k_rows(table, m)
     reasons = ", ".join(f"{r}: {n}" for r, n in sorted(s["termination_reasons"].items())) or "-"
     table.add_row("terminations", escape(reasons))
     for who, u in s["usage"].items():
@@ -270,8 +304,10 @@ def _print_summary(console: Console, report: Any, store: Any) -> None:
             cost = "" if u["cost_usd"] is None else f"  ${u['cost_usd']:.4f}"
             table.add_row(f"{who} tokens", f"{u['prompt_tokens']} in / {u['completion_tokens']} out{cost}")
     table.add_row("cost", "-" if s["cost_usd"] is None else f"${s['cost_usd']:.4f}")
-    table.add_row("ungraded", str(s["ungraded"]) + ("  (no --judge-model, or gold replay incomplete)"
-                                                    if s["ungraded"] else ""))
+    table.add_row("ungraded", str(s["ungraded"]) + (f"  (no --judge-model, or gold replay incomplete; "
+                                                    f"{'failures' if m.conventions.ungraded == 'fail' else 'left out'}"
+                                                    f" in pass^k)" if s["ungraded"] else ""))
+    table.add_row("conventions", _conventions_text(m.conventions))
     infra = s["infrastructure_errors"]
     table.add_row("infra errors", f"{len(infra)}  (not counted; re-run on resume)" if infra else "0")
     console.print(table)

@@ -10,12 +10,33 @@ import json
 from typing import Any, Callable
 
 from closedloop.evals.tau.data_model import EnvAssertion, EnvFunctionCall, InitialState
-from closedloop.evals.tau.domains.base import TauDB, Toolkit
+from closedloop.evals.tau.domains.base import DISPATCHER_PARAMETERS, TauDB, Toolkit
 from closedloop.evals.tau.domains.registry import Domain
 from closedloop.messages import ToolCall, ToolMessage
 from closedloop.tool import Tool, ToolRegistry, ToolResult
 
-__all__ = ["Environment", "EnvironmentFactory", "decode_json_string_args"]
+__all__ = ["Environment", "EnvironmentFactory", "decode_json_string_args", "dispatcher_conflict"]
+
+# tau2 runs every call as ``make_tool_call(call.name, requestor=call.requestor, **call.arguments)``
+# (``Environment.get_response``): arguments named like that method's own parameters never reach the tool.
+_TAU2_DISPATCHER = "Environment.make_tool_call()"
+_TAU2_DISPATCHER_MODULE = "tau2.environment.environment"
+
+
+def dispatcher_conflict(arguments: Any) -> str | None:
+    """tau2's TypeError text for a call whose arguments collide with its dispatcher's parameters
+    (``requestor``, ``tool_name``, ``self``), or None. Python 3.12's own wording, which tau2
+    requires: a duplicate of the explicit ``requestor=`` keyword is caught at the call site,
+    which names the function with its module; ``self`` and ``tool_name`` are caught while
+    binding, keyword by keyword in the order the model sent them."""
+    if not isinstance(arguments, dict):
+        return None
+    if "requestor" in arguments:
+        return f"{_TAU2_DISPATCHER_MODULE}.{_TAU2_DISPATCHER} got multiple values for keyword argument 'requestor'"
+    for key in arguments:
+        if key in DISPATCHER_PARAMETERS:
+            return f"{_TAU2_DISPATCHER} got multiple values for argument '{key}'"
+    return None
 
 
 def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -99,6 +120,7 @@ class Environment:
             self._replace_db(self.user_toolkit, _deep_merge(self.user_toolkit.db.model_dump(), data.user_data))
         for call in initial_state.initialization_actions or []:
             self.call_function(call)
+        self.sync_tools()  # tau2's set_state ends with one (after initialization data too)
 
     @staticmethod
     def _replace_db(toolkit: Toolkit, data: dict[str, Any]) -> None:
@@ -131,9 +153,17 @@ class Environment:
         return kit is not None and kit.is_mutating(name)
 
     def run_tool_call(self, call: ToolCall, requestor: str = "assistant") -> ToolMessage:
-        """Execute one model-issued call; every failure becomes an error tool message."""
+        """Execute one model-issued call (tau2 ``get_response``); every failure becomes an error
+        tool message, with tau2's text: a dispatcher-named argument first, then a side without
+        tools, then an unknown tool, then whatever the tool raises."""
         registry = self.tools if requestor == "assistant" else self.user_tools
-        if registry is None or call.name not in registry:
+        conflict = dispatcher_conflict(_parsed(call.function.arguments))
+        if conflict is not None:
+            result = ToolResult(call.name, f"Error: {conflict}", conflict, "invalid_arguments")
+        elif registry is None:
+            msg = "User tools not available"
+            result = ToolResult(call.name, f"Error: {msg}", msg, "unknown_tool")
+        elif call.name not in registry:
             msg = f"Tool '{call.name}' not found."
             result = ToolResult(call.name, f"Error: {msg}", msg, "unknown_tool")
         else:
@@ -148,16 +178,18 @@ class Environment:
                 self.sync_tools()
         return result.to_message(call.id)
 
-    def make_tool_call(self, name: str, requestor: str = "assistant", **arguments: Any) -> Any:
-        """Call a tool by name and return its Python value; raises on any error (gold replay)."""
+    def make_tool_call(self, tool_name: str, requestor: str = "assistant", **kwargs: Any) -> Any:
+        """Call a tool by name and return its Python value; raises on any error (gold replay).
+
+        As tau2's ``make_tool_call`` (same parameter names, so the same arguments collide with
+        them), it does not call ``sync_tools``: tau2's evaluator builds the gold state this way,
+        while live calls (:meth:`run_tool_call`) sync."""
         kit = self._kit(requestor)
-        if name not in kit.tools:
-            raise KeyError(f"Tool '{name}' not found.")
-        if requestor != "assistant" or kit.is_mutating(name):
+        if tool_name not in kit.tools:
+            raise KeyError(f"Tool '{tool_name}' not found.")
+        if requestor != "assistant" or kit.is_mutating(tool_name):
             self._own()
-        value = kit.tools.get(name).fn(**arguments)  # raw kwargs, as tau2 calls its tools
-        self.sync_tools()
-        return value
+        return kit.tools.get(tool_name).fn(**kwargs)  # raw kwargs, as tau2 calls its tools
 
     def call_function(self, call: EnvFunctionCall) -> Any:
         """A toolkit function (tool or assertion helper) by name; raises on error."""
@@ -186,18 +218,25 @@ class Environment:
                 "tool_defs": {t.name: json.loads(json.dumps(t.schema)) for t in self.tools}}
 
 
+def _parsed(arguments: Any) -> Any:
+    """A call's arguments as the tool would get them (a JSON text parsed; unparsable: None)."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            return None
+    return arguments
+
+
 def decode_json_string_args(tool: Tool, arguments: Any) -> Any:
     """Option ``json_string_args``: a list argument sent as a JSON-encoded string is decoded.
 
     tau2 (main) passes such a string to the tool as it is, where it is iterated character by
     character ("Error: [ not found"); some models send lists that way."""
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments or "{}")
-        except json.JSONDecodeError:
-            return arguments
-    if not isinstance(arguments, dict):
+    parsed = _parsed(arguments)
+    if not isinstance(parsed, dict):
         return arguments
+    arguments = parsed
     props = tool.parameters.get("properties", {})
     out = dict(arguments)
     for key, value in arguments.items():

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from closedloop.evals.tau.conventions import Conventions
 from closedloop.evals.tau.data_model import Task
 from closedloop.evals.tau.simulation import SimulationRun
 from closedloop.messages import AssistantMessage, SystemMessage, ToolCall, ToolMessage, UserMessage, _Message
@@ -38,6 +39,7 @@ class RunInfo(BaseModel):
     task_file_sha256: str | None = None
     data_dir: str | None = None
     task_split: str | None = None
+    conventions: Conventions = Field(default_factory=Conventions)  # how rewards and metrics were computed
 
 
 def _tool_arguments(raw: str) -> dict[str, Any]:

@@ -20,6 +20,8 @@ Why it is shaped this way:
 * **Timeouts**: ``episode_timeout_s`` is checked by the orchestrator between steps and enforced
   mid-call by cancellation; either way the episode ends as ``timeout`` (scored 0, as tau2) with
   the messages it had.
+* **Conventions** (:mod:`~closedloop.evals.tau.conventions`): tau2's unless the settings name ours
+  (``gold_sync``, ``ungraded``, ``pass_k``); the summary and the export record which.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pydantic import BaseModel, Field
 
 from closedloop.evals.harness import BatchRunner, EvalBusyError, EvalClaim, settings_differences
 from closedloop.evals.tau.agents import AgentFactory
+from closedloop.evals.tau.conventions import Conventions, PassKRule, UngradedRule
 from closedloop.evals.tau.data import DomainData
 from closedloop.evals.tau.data_model import Task
 from closedloop.evals.tau.eval_store import (EpisodeRecord, find_eval, latest_episodes, load_episodes, needs_rerun,
@@ -53,7 +56,9 @@ __all__ = ["EvalSettings", "EvalProgress", "EvalReport", "EvalConfigError", "Tau
 
 # Settings that change what an episode is; a resume with different values would mix two evals.
 RESUME_KEYS = ("domain", "split", "task_file_sha256", "agent", "model", "user_model", "judge_model", "seed",
-               "max_steps", "max_errors", "clarify", "temperature", "max_tokens", "user_temperature")
+               "max_steps", "max_errors", "clarify", "temperature", "max_tokens", "user_temperature", "gold_sync")
+# Evaluations stored before a setting existed were run the way these values say.
+_STORED_BEFORE = {"gold_sync": True}  # the gold replay synced until tau2's unsynced replay became the default
 
 
 class EvalConfigError(ValueError):
@@ -91,13 +96,20 @@ class EvalSettings(BaseModel):
     max_tokens: int | None = None
     user_temperature: float = 0.0  # tau2 samples the user at temperature 0
     workers: int | None = Field(None, ge=0)  # grading processes (tau2 --workers); None: by concurrency, 0: none
+    gold_sync: bool = False  # conventions (closedloop.evals.tau.conventions); the defaults are tau2's
+    ungraded: UngradedRule = "fail"
+    pass_k: PassKRule = "capped"
 
     @property
     def seeds(self) -> list[int]:
         return trial_seeds(self.seed, self.trials)
 
+    @property
+    def conventions(self) -> Conventions:
+        return Conventions(gold_sync=self.gold_sync, ungraded=self.ungraded, pass_k=self.pass_k)
+
     def differences(self, stored: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-        return settings_differences(stored, self.model_dump(mode="json"), RESUME_KEYS)
+        return settings_differences({**_STORED_BEFORE, **stored}, self.model_dump(mode="json"), RESUME_KEYS)
 
 
 @dataclass
@@ -161,6 +173,7 @@ def summarize(sims: list[SimulationRun], metrics: TauMetrics, *, agent_model: st
     costs = [u["cost_usd"] for u in usage.values() if u["cost_usd"] is not None]
     return {
         "episodes": len(sims),
+        "conventions": metrics.conventions.model_dump(),
         "avg_reward": metrics.avg_reward,
         "pass_hat_k": {str(k): v for k, v in metrics.pass_hat_k.items()},
         "num_tasks": {str(k): v for k, v in metrics.num_tasks.items()},
@@ -283,7 +296,8 @@ class TauRunner:
         imports, DB) then overlaps the first episodes' model calls instead of delaying their grades."""
         if self._pool is None and self._workers() > 0:
             from closedloop.evals.tau.workers import GradingPool
-            self._pool = GradingPool.for_data(self.data, self._workers())
+            self._pool = GradingPool.for_data(self.data, self._workers(),
+                                              grade_options={"gold_sync": self.settings.gold_sync})
             self._pool.start()
 
     async def _grade(self, sim: SimulationRun, task: Task) -> Any:
@@ -299,9 +313,11 @@ class TauRunner:
         so without a judge it runs in a worker thread with its own loop; the loop thread then gets
         the GIL between the worker's calls. A judge is an async client bound to this loop, so with
         one, grading stays here."""
+        gold_sync = self.settings.gold_sync
         if self.judge is not None:
-            return await evaluate(sim, task, self.data.make_environment, self.judge)
-        return await asyncio.to_thread(lambda: asyncio.run(evaluate(sim, task, self.data.make_environment, None)))
+            return await evaluate(sim, task, self.data.make_environment, self.judge, gold_sync=gold_sync)
+        return await asyncio.to_thread(lambda: asyncio.run(evaluate(sim, task, self.data.make_environment, None,
+                                                                    gold_sync=gold_sync)))
 
     def _record(self, sim: SimulationRun) -> None:
         record_episode(self.store, self.parent_id, sim, eval_name=self.settings.name, graph=self.settings.agent,
@@ -371,7 +387,7 @@ class TauRunner:
     async def _report(self, status: str, ran: int, reused: int, total: int, start: float,
                       resumed: bool) -> EvalReport:
         sims = await asyncio.to_thread(self.stored_simulations)
-        metrics = compute_metrics(sims, ks=range(1, self.settings.trials + 1))
+        metrics = compute_metrics(sims, ks=range(1, self.settings.trials + 1), conventions=self.settings.conventions)
         summary = summarize(sims, metrics, agent_model=self.settings.model, user_model=self.settings.user_model,
                             judge_model=self.settings.judge_model)
         return EvalReport(parent_id=self.parent_id or "", name=self.settings.name, status=status, simulations=sims,
@@ -399,7 +415,7 @@ def export_results(store: RunStore, name: str, tasks: list[Task], path: str, *, 
     parent = find_eval(store, name)
     if parent is None:
         raise EvalConfigError(f"no evaluation named {name!r} in {store.path}")
-    cfg = EvalSettings.model_validate(parent.config)
+    cfg = EvalSettings.model_validate({**_STORED_BEFORE, **parent.config})  # an old eval says how it was graded
     sims = _plan_order(latest_episodes(load_episodes(store, parent.id)), tasks, cfg.trials)
     used = {s.task_id for s in sims}
     user_info: dict[str, Any] = {"implementation": "user_simulator" if cfg.user_model else "scenario_user",
@@ -410,7 +426,8 @@ def export_results(store: RunStore, name: str, tasks: list[Task], path: str, *, 
                                "llm_args": {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}},
                    environment_info={"domain_name": cfg.domain, "clarify": cfg.clarify, "eval_name": cfg.name,
                                      "eval_run_id": parent.id},
-                   task_file_sha256=cfg.task_file_sha256, data_dir=cfg.data_dir, task_split=cfg.split)
+                   task_file_sha256=cfg.task_file_sha256, data_dir=cfg.data_dir, task_split=cfg.split,
+                   conventions=cfg.conventions)
     write_results(path, sims, [t for t in tasks if t.id in used], info)
     return len(sims)
 

@@ -100,6 +100,9 @@ def to_json_str(value: Any) -> str:
 
 
 _TOOL_MARK = "__tau_tool__"
+# tau2 calls a tool as ``Environment.make_tool_call(self, tool_name, requestor, **kwargs)``: these
+# names are the dispatcher's own and can never reach a tool.
+DISPATCHER_PARAMETERS = ("self", "tool_name", "requestor")
 
 
 class ToolType(str, Enum):
@@ -160,6 +163,11 @@ class TauTool(Tool):
             cached = self._build(fn, doc if doc is not None else fn.__doc__)
             self._schema_cache[key] = cached
         self.description, self.args_model = cached
+        reserved = sorted(set(self.args_model.model_fields) & set(DISPATCHER_PARAMETERS))
+        if reserved:  # tau2's dispatcher would take them for its own (see environment.dispatcher_conflict)
+            raise ValueError(f"tool {self.name!r} has a parameter named {reserved[0]!r}, which tau2's "
+                             f"make_tool_call(tool_name, requestor, **kwargs) reserves: no call could reach "
+                             f"the tool; rename it")
 
     @staticmethod
     def _build(fn: Callable[..., Any], doc: str | None) -> tuple[str, type[BaseModel]]:

@@ -8,8 +8,10 @@ that); :func:`evaluate` first asks the judge (async, in the caller's process) an
 
 Where we differ from tau2 it is an explicit option, off by default:
 ``strict_gold_replay`` (a match against a gold state whose gold write failed is "not graded"
-instead of graded; tau2 grades it, e.g. retail task 105) and ``normalize_json_args`` (ACTION
-compares JSON-encoded strings by value). Without a judge, NL_ASSERTION is *not graded* (tau2
+instead of graded; tau2 grades it, e.g. retail task 105), ``normalize_json_args`` (ACTION
+compares JSON-encoded strings by value) and ``gold_sync`` (the gold actions are replayed with
+``sync_tools`` after each, as live calls are; tau2's evaluator does not sync them, so on telecom
+``db_match`` compares a synced trajectory with an unsynced gold state). Without a judge, NL_ASSERTION is *not graded* (tau2
 always has one): the reward is None and ``not_graded`` says why, unless another component
 already failed.
 """
@@ -52,7 +54,7 @@ def _tool_types(env: Environment | None, environment_factory: EnvironmentFactory
 
 def grade(simulation: SimulationRun, task: Task, environment_factory: EnvironmentFactory, *,
           nl: NLResult | None = None, strict_replay: bool = True, strict_gold_replay: bool = False,
-          normalize_json_args: bool = False) -> RewardInfo:
+          normalize_json_args: bool = False, gold_sync: bool = False) -> RewardInfo:
     """Everything but the judge. ``nl`` is the judge's result when NL_ASSERTION was evaluated
     (None: not evaluated, i.e. outside the basis)."""
     if simulation.task_id != task.id:
@@ -79,7 +81,7 @@ def grade(simulation: SimulationRun, task: Task, environment_factory: Environmen
         record.db_check = DBCheck(db_match=True, db_reward=1.0)
         env_reward, env_breakdown, env_info = 1.0, None, {"note": "No expected actions or env assertions"}
     else:
-        db = check_db(messages, task, environment_factory, strict=strict_replay)
+        db = check_db(messages, task, environment_factory, strict=strict_replay, gold_sync=gold_sync)
         record.db_check, predicted = db.check, db.predicted
         record.gold_failures = db.gold_failures
         checks, assertion_reward = check_env_assertions(db.predicted, task)
@@ -136,7 +138,7 @@ def grade(simulation: SimulationRun, task: Task, environment_factory: Environmen
 async def evaluate(simulation: SimulationRun, task: Task, environment_factory: EnvironmentFactory,
                    judge: ModelClient | None = None, *, strict_replay: bool = True, judge_all: bool = False,
                    judge_params: SamplingParams | None = None, strict_gold_replay: bool = False,
-                   normalize_json_args: bool = False) -> RewardInfo:
+                   normalize_json_args: bool = False, gold_sync: bool = False) -> RewardInfo:
     """Judge (when the basis needs it, or ``judge_all`` with a judge), then :func:`grade`."""
     nl = None
     gated = simulation.termination_reason not in {"user_stop", "agent_stop"}
@@ -145,7 +147,8 @@ async def evaluate(simulation: SimulationRun, task: Task, environment_factory: E
         nl = await check_nl_assertions(simulation.messages, task.evaluation_criteria.nl_assertions, judge,
                                        judge_params)
     return grade(simulation, task, environment_factory, nl=nl, strict_replay=strict_replay,
-                 strict_gold_replay=strict_gold_replay, normalize_json_args=normalize_json_args)
+                 strict_gold_replay=strict_gold_replay, normalize_json_args=normalize_json_args,
+                 gold_sync=gold_sync)
 
 
 def evaluate_tau2(simulation: SimulationRun, task: Task, environment_factory: EnvironmentFactory, *,

@@ -1,11 +1,18 @@
 """DB check: replay the episode's state-changing calls and the gold actions into two fresh
 environments and compare their hashes (tau2 ``EnvironmentEvaluator``).
 
-Only mutating tools are replayed for the prediction, in the order they ran; calls to tools that
-do not exist are no-ops. In strict mode a replayed call whose output differs from the recorded
-one is reported (the environment is not deterministic, or the record was edited). Every gold
-action is replayed; a gold *write* that fails means the gold state is incomplete, so a match is
-"not graded" rather than a pass.
+Only mutating tools are replayed for the prediction, in the order they ran, as live calls
+(each successful one reconciles a dual-control domain's two DBs, ``sync_tools``); calls to tools
+that do not exist are no-ops. In strict mode a replayed call whose output differs from the
+recorded one is reported (the environment is not deterministic, or the record was edited).
+
+Every gold action is replayed as tau2's evaluator replays it, with ``make_tool_call``, which does
+not sync: on telecom the gold user DB keeps the surroundings (roaming, data-usage flags, payment
+request) of before the gold calls, so a trajectory that reached the gold state live can still
+have ``db_match: false``, as in tau2 (the reward never changes: no telecom task has DB in its
+basis). ``gold_sync=True`` syncs after each successful gold call instead, as live calls do, so
+``db_match`` says whether the trajectory reached the gold actions' live state. A gold action that
+fails is recorded and the replay carries on (tau2 logs it).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ def replay_trajectory(env: Environment, messages: list[_Message], *, strict: boo
         if strict and before is not None and _content(before.text) != _content(result.text):
             mismatches.append({"tool_call_id": call.id, "name": call.name,
                                "recorded": before.text[:500], "replayed": result.text[:500]})
+    env.sync_tools()  # tau2's set_state ends with one
     return mismatches
 
 
@@ -54,13 +62,16 @@ def _content(text: str) -> Any:
         return text
 
 
-def replay_gold(env: Environment, task: Task) -> list[dict[str, Any]]:
-    """Run every gold action; returns those that raised (tau2 logs them and carries on)."""
+def replay_gold(env: Environment, task: Task, *, sync: bool = False) -> list[dict[str, Any]]:
+    """Run every gold action as tau2's evaluator does (``make_tool_call``, no ``sync_tools``;
+    ``sync``: after each successful one); returns those that raised (tau2 logs them and carries on)."""
     failures: list[dict[str, Any]] = []
     actions = task.evaluation_criteria.actions if task.evaluation_criteria else None
     for action in actions or []:
         try:
             env.make_tool_call(action.name, action.requestor, **action.arguments)
+            if sync:
+                env.sync_tools()
         except Exception as e:
             failures.append({"action_id": action.action_id, "tool_name": action.name,
                              "mutating": env.is_mutating_tool(action.name, action.requestor),
@@ -81,7 +92,7 @@ def _factory_key(factory: EnvironmentFactory) -> Any:
     return key
 
 
-def gold_cache_key(task: Task, data_key: Any) -> tuple | None:
+def gold_cache_key(task: Task, data_key: Any, *, gold_sync: bool = False) -> tuple | None:
     """The key of a task's gold state for data named ``data_key`` (a ``cache_key``); equal in
     every process that loads the same data, so a runner and its grading workers share states."""
     if data_key is None:
@@ -89,7 +100,7 @@ def gold_cache_key(task: Task, data_key: Any) -> tuple | None:
     actions = task.evaluation_criteria.actions if task.evaluation_criteria else None
     criteria = json.dumps([a.model_dump(mode="json") for a in actions or []])  # the basis does not matter
     initial = task.initial_state.model_dump_json() if task.initial_state else ""
-    return (data_key, task.id, criteria, initial)
+    return (data_key, task.id, criteria, initial) + (("gold_sync",) if gold_sync else ())
 
 
 GoldState = tuple  # (db hash, user db hash or None, gold failures)
@@ -113,14 +124,14 @@ def cache_gold(key: tuple | None, state: GoldState) -> None:
         _GOLD_CACHE.popitem(last=False)
 
 
-def _gold_state(task: Task, environment_factory: EnvironmentFactory) -> GoldState:
-    key = gold_cache_key(task, _factory_key(environment_factory))
+def _gold_state(task: Task, environment_factory: EnvironmentFactory, gold_sync: bool) -> GoldState:
+    key = gold_cache_key(task, _factory_key(environment_factory), gold_sync=gold_sync)
     hit = cached_gold(key)
     if hit is not None:
         return hit
     gold = environment_factory()
     gold.apply_initial_state(task.initial_state)
-    failures = replay_gold(gold, task)
+    failures = replay_gold(gold, task, sync=gold_sync)
     result = (gold.get_db_hash(), gold.get_user_db_hash(), failures)
     cache_gold(key, result)
     return result
@@ -143,8 +154,8 @@ def _predicted_key(data_key: Any, messages: list[_Message], task: Task, env_type
 
 
 def check_db(messages: list[_Message], task: Task, environment_factory: EnvironmentFactory,
-             *, strict: bool = True) -> DBResult:
-    gold_hash, gold_user_hash, failures = _gold_state(task, environment_factory)
+             *, strict: bool = True, gold_sync: bool = False) -> DBResult:
+    gold_hash, gold_user_hash, failures = _gold_state(task, environment_factory, gold_sync)
     needs_state = bool(task.evaluation_criteria and task.evaluation_criteria.env_assertions)
     key = None
     mutating = getattr(_data_of(environment_factory), "is_mutating_tool", None)

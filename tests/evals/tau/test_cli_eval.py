@@ -85,11 +85,50 @@ def test_acceptance_run_is_recorded_as_one_eval_with_a_child_per_episode(accepta
         acceptance["export"]["info"]["task_file_sha256"]
     records = load_episodes(store, parent.id)
     assert len(records) == 74 and all(r.status == "completed" for r in records)
-    # pass^1 over graded tasks; tasks judged by NL assertions (no judge here) are listed apart
+    # tasks judged by NL assertions (no judge here) are listed, and failures in pass^1 (tau2's
+    # compute_metrics); every graded episode scores 1
     summary = parent.outcome["summary"]
     graded = [s for s in acceptance["export"]["simulations"] if s["reward_info"] is not None]
-    assert parent.outcome["rewards"]["pass^1"] == 1.0 and summary["num_tasks"]["1"] == len(graded)
+    assert 0 < len(graded) < 74 and summary["num_tasks"]["1"] == 74 and summary["avg_reward"] == 1.0
+    assert parent.outcome["rewards"]["pass^1"] == len(graded) / 74
     assert summary["ungraded"] == 74 - len(graded) and summary["infrastructure_errors"] == []
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_telecom_run_is_graded_as_tau2_by_default_and_ours_by_name(tmp_path, capsys):
+    """The oracle on the telecom fixture tasks: by default each export's ``db_match`` is tau2's
+    for the gold trajectory (false where the user surroundings change on sync) and the file says
+    it used tau2's conventions; ``--gold-sync --ungraded exclude --pass-k per-task`` changes
+    ``db_match`` (never the reward) and is recorded; import reads the conventions back."""
+    tau2 = json.loads((FIXTURES / "expected.json").read_text())["telecom"]["tasks"]
+    exports = {}
+    for name, flags in (("tau2", []), ("ours", ["--gold-sync", "--ungraded", "exclude", "--pass-k", "per-task"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["eval", "tau", "--domain", "telecom", "--split", "train", "--agent", "oracle", "--data-dir",
+                     str(FIXTURES), "--export", str(out), "--store", str(tmp_path / "runs.duckdb"), "--name", name,
+                     "--concurrency", "1", *flags]) == 0
+        exports[name] = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert "tau2's" in printed and "gold_sync=True, ungraded=exclude, pass_k=per-task (not tau2's)" in printed
+    assert exports["tau2"]["info"]["conventions"] == {"gold_sync": False, "ungraded": "fail", "pass_k": "capped"}
+    assert exports["ours"]["info"]["conventions"] == {"gold_sync": True, "ungraded": "exclude", "pass_k": "per-task"}
+    default = {s["task_id"]: s["reward_info"] for s in exports["tau2"]["simulations"]}
+    assert {t: r["db_check"]["db_match"] for t, r in default.items()} == \
+        {t: v["evaluator"]["db_match"] for t, v in tau2.items()}
+    assert False in {r["db_check"]["db_match"] for r in default.values()}
+    synced = {s["task_id"]: s["reward_info"] for s in exports["ours"]["simulations"]}
+    assert all(r["db_check"]["db_match"] for r in synced.values())
+    assert {t: r["reward"] for t, r in synced.items()} == {t: r["reward"] for t, r in default.items()} == \
+        {t: 1.0 for t in tau2}
+
+    assert main(["eval", "tau", "import", str(tmp_path / "ours.json")]) == 0
+    assert "ungraded=exclude, pass_k=per-task (not tau2's)" in capsys.readouterr().out  # as the file records
+    assert main(["eval", "tau", "import", str(tmp_path / "ours.json"), "--ungraded", "fail", "--pass-k", "capped"]) == 0
+    assert "gold_sync=True (not tau2's)" in capsys.readouterr().out  # how it was graded stays on record
+    assert main(["eval", "tau", "import", str(tmp_path / "ours.json"), "--gold-sync"]) == 2
+    assert "graded already" in capsys.readouterr().err
 
 
 def test_argument_errors_exit_2(tmp_path, capsys):

@@ -59,8 +59,9 @@ async def test_overflow_is_scored_counted_and_not_rerun(mini_root, tmp_path):
     assert sim.reward_info.info["note"] == "Simulation terminated prematurely. Termination reason: context_window_exceeded"
     m = report.metrics
     assert m.infrastructure_errors == [] and sim.id not in m.ungraded
-    assert m.num_tasks[1] == len(report.simulations) - len(m.ungraded)  # ungraded: the NL task, no judge here
-    assert m.pass_hat_k[1] < 1.0  # the overflow counts as a failure
+    assert len(m.ungraded) == 1  # the NL task, no judge here: a failure in pass^k, as in tau2
+    assert m.num_tasks[1] == len(report.simulations) and m.num_graded == len(report.simulations) - 1
+    assert m.pass_hat_k[1] == (len(report.simulations) - 2) / len(report.simulations)  # the overflow fails too
     parent = find_eval(store, "ctx")
     assert {r.simulation.task_id: r.status for r in load_episodes(store, parent.id)}["cancel"] == "completed"
 

@@ -133,3 +133,23 @@ def test_registering_a_domain_needs_no_core_edit(tmp_path):
     assert env.make_tool_call("increment", by=2) == 3 and env.policy == ""
     with pytest.raises(KeyError, match="no τ domain named 'nope'"):
         get_domain("nope")
+
+
+class RequestorTools(Toolkit):
+    db: CounterDB
+
+    @is_tool(kind="read")
+    def whoami(self, requestor: str) -> str:
+        """Echo who asked.
+
+        Args:
+            requestor: Who asks.
+        """
+        return requestor
+
+
+def test_a_tool_parameter_named_like_tau2s_dispatcher_is_refused_when_the_toolkit_is_built():
+    """tau2 calls ``make_tool_call(tool_name, requestor=..., **arguments)``: no call could reach
+    such a tool there, so a domain that declares one fails at once, with the reason."""
+    with pytest.raises(ValueError, match="'whoami' has a parameter named 'requestor'.*rename it"):
+        RequestorTools(CounterDB())

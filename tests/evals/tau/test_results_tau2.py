@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from closedloop.evals.tau import load_domain
-from closedloop.evals.tau.metrics import compute_metrics
+from closedloop.evals.tau.conventions import Conventions
+from closedloop.evals.tau.metrics import compute_metrics, results_metrics
 from closedloop.evals.tau.results import load_tau2_results
 from closedloop.evals.tau.runner import EvalSettings, TauRunner, export_results
 from closedloop.evals.tau.agents import make_agent_factory
@@ -91,8 +92,11 @@ def test_export_meets_tau2_loader_requirements(export: Path) -> None:
 def test_export_reads_back_with_the_same_metrics(export: Path) -> None:
     sims, tasks, info = load_tau2_results(export)
     assert info["environment_info"]["domain_name"] == "retail" and len(sims) == 8
-    again = compute_metrics(sims)
-    assert again.pass_hat_k == {1: 1.0, 2: 1.0} and len(again.ungraded) == 2
+    assert info["conventions"] == {"gold_sync": False, "ungraded": "fail", "pass_k": "capped"}  # tau2's
+    again = compute_metrics(sims, ks=range(1, info["num_trials"] + 1))
+    assert again.pass_hat_k == {1: 0.75, 2: 0.75} and len(again.ungraded) == 2  # the unjudged task fails
+    ours = compute_metrics(sims, conventions=Conventions(ungraded="exclude"))
+    assert ours.pass_hat_k == {1: 1.0, 2: 1.0}
 
 
 @pytest.mark.skipif(not (GOLDEN / "results_tau2.json").is_file(), reason="tau2 golden fixtures not present")
@@ -118,13 +122,16 @@ TAU2_PYTHON = os.environ.get("TAU2_PYTHON")
 
 @pytest.mark.skipif(not TAU2_PYTHON, reason="set TAU2_PYTHON to a Python that can import tau2")
 def test_real_tau2_loads_the_export(export: Path) -> None:
-    script = ("import sys; from tau2.data_model.simulation import Results; "
+    script = ("import sys, json; from tau2.data_model.simulation import Results; "
               "from tau2.metrics.agent_metrics import compute_metrics; r = Results.load(sys.argv[1]); "
-              "m = compute_metrics(r); print(len(r.simulations), m.pass_hat_ks)")
+              "m = compute_metrics(r); print(json.dumps([len(r.simulations), m.pass_hat_ks, m.avg_reward]))")
     out = subprocess.run([TAU2_PYTHON, "-c", script, str(export)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    n, _ = out.stdout.strip().split(" ", 1)
-    assert int(n) == 8
+    n, pass_hat_ks, avg_reward = json.loads(out.stdout.strip().splitlines()[-1])
+    assert n == 8
+    sims, _, info = load_tau2_results(export)  # with ungraded episodes: our default is tau2's figure
+    ours = results_metrics(sims, info)
+    assert {str(k): v for k, v in ours.pass_hat_k.items()} == pytest.approx(pass_hat_ks) and ours.avg_reward == avg_reward
 
 
 def test_cli_import_prints_pass_k(export: Path, capsys) -> None:

@@ -99,13 +99,15 @@ async def test_concurrency_overlaps_episodes_and_records_each_once(mini_root, st
     # each trial's seed reached the user simulator's sampling
     seeds = trial_seeds(300, 2)
     assert sorted(set(user.seeds)) == sorted(seeds) and all(s.seed == seeds[s.trial] for s in sims)
-    # the oracle scores 1 on every graded task; the NL task has no judge and is listed apart
+    # the oracle scores 1 on every graded task; the NL task has no judge: listed, and a failure (tau2)
     m = report.metrics
-    assert m.pass_hat_k == {1: 1.0, 2: 1.0} and m.num_tasks == {1: 3, 2: 3} and len(m.ungraded) == 2
+    assert m.pass_hat_k == {1: 0.75, 2: 0.75} and m.num_tasks == {1: 4, 2: 4} and len(m.ungraded) == 2
+    assert m.avg_reward == 1.0 and m.num_graded == 6
     assert report.summary["termination_reasons"] == {"user_stop": 8}
     assert report.summary["usage"]["user"]["prompt_tokens"] == 8 * 2 * 7
     parent = find_eval(store, "conc")
-    assert parent.status == "completed" and parent.outcome["rewards"]["pass^2"] == 1.0
+    assert parent.status == "completed" and parent.outcome["rewards"]["pass^2"] == 0.75
+    assert parent.outcome["summary"]["conventions"] == {"gold_sync": False, "ungraded": "fail", "pass_k": "capped"}
 
 
 async def test_a_running_eval_cannot_be_resumed_by_a_second_writer(mini_root, store):
@@ -146,7 +148,7 @@ async def test_infrastructure_errors_are_listed_apart_and_rerun_on_resume(mini_r
     noop = next(s for s in report.simulations if s.task_id == "noop")
     assert noop.termination_reason == TerminationReason.INFRASTRUCTURE_ERROR and "127.0.0.1:9" in noop.error
     assert m.infrastructure_errors == [noop.id]
-    assert m.num_tasks[1] == 2 and m.pass_hat_k[1] == 1.0  # not counted as a failure
+    assert m.num_tasks[1] == 3 and m.pass_hat_k[1] == 2 / 3  # not counted (the ungraded NL task fails)
     assert [e["task_id"] for e in report.summary["infrastructure_errors"]] == ["noop"]
     parent = find_eval(store, "infra")
     statuses = {r.simulation.task_id: r.status for r in load_episodes(store, parent.id)}
@@ -154,7 +156,7 @@ async def test_infrastructure_errors_are_listed_apart_and_rerun_on_resume(mini_r
 
     resumed = await _runner(mini_root, store, "infra", lambda task: good, concurrency=2).run(resume=True)
     assert resumed.ran == 1 and resumed.reused == 3 and resumed.resumed
-    assert resumed.metrics.infrastructure_errors == [] and resumed.metrics.num_tasks[1] == 3
+    assert resumed.metrics.infrastructure_errors == [] and resumed.metrics.num_tasks[1] == 4
     assert len(load_episodes(store, parent.id)) == 5  # the failed attempt stays on record
     out = tmp_path / "results.json"
     n = export_results(store, "infra", load_domain("retail", mini_root).load_tasks("base").tasks, str(out))
@@ -178,6 +180,67 @@ async def test_resume_with_other_settings_is_refused(mini_root, store):
         await _runner(mini_root, store, "same", lambda task: SlowUser(), seed=1).run()
     with pytest.raises(EvalConfigError, match="no evaluation named"):
         await _runner(mini_root, store, "absent", lambda task: SlowUser()).run(resume=True)
+
+
+def test_gold_sync_is_a_resume_setting_and_evals_stored_before_it_synced(mini_root):
+    settings = EvalSettings(name="g", domain="retail", agent="oracle")
+    stored = settings.model_dump(mode="json")
+    assert settings.differences(stored) == {}
+    assert EvalSettings(name="g", domain="retail", agent="oracle", gold_sync=True).differences(stored) == \
+        {"gold_sync": (False, True)}
+    # a config stored before the setting existed was graded with a synced gold replay
+    old = {k: v for k, v in stored.items() if k not in ("gold_sync", "ungraded", "pass_k")}
+    assert settings.differences(old) == {"gold_sync": (True, False)}
+    assert EvalSettings(name="g", domain="retail", agent="oracle", gold_sync=True).differences(old) == {}
+    # the metric conventions only change what is computed from the stored episodes: no refusal
+    assert EvalSettings(name="g", domain="retail", agent="oracle", ungraded="exclude").differences(stored) == {}
+
+
+async def test_our_conventions_by_name_change_the_metrics_and_are_recorded(mini_root, store, tmp_path):
+    report = await _runner(mini_root, store, "ours", lambda task: SlowUser(), trials=2, ungraded="exclude",
+                           pass_k="per-task").run()
+    m = report.metrics
+    assert m.pass_hat_k == {1: 1.0, 2: 1.0} and m.num_tasks == {1: 3, 2: 3}  # the unjudged NL task left out
+    assert report.summary["conventions"] == {"gold_sync": False, "ungraded": "exclude", "pass_k": "per-task"}
+    out = tmp_path / "results.json"
+    export_results(store, "ours", load_domain("retail", mini_root).load_tasks("base").tasks, str(out))
+    assert json.loads(out.read_text())["info"]["conventions"] == report.summary["conventions"]
+    # rerun under tau2's conventions: the same stored episodes, tau2's figures
+    again = await _runner(mini_root, store, "ours", lambda task: SlowUser(), trials=2).run()
+    assert again.ran == 0 and again.metrics.pass_hat_k == {1: 0.75, 2: 0.75}
+    # an evaluation stored before gold_sync existed was graded with it, and its export says so
+    parent = find_eval(store, "ours")
+    store.reopen_run(parent.id, {k: v for k, v in parent.config.items() if k not in ("gold_sync", "ungraded", "pass_k")})
+    store.finish_run(parent.id, "completed", {})
+    export_results(store, "ours", load_domain("retail", mini_root).load_tasks("base").tasks, str(out))
+    assert json.loads(out.read_text())["info"]["conventions"] == {"gold_sync": True, "ungraded": "fail",
+                                                                  "pass_k": "capped"}
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+async def test_gold_sync_reaches_grading_here_and_in_worker_processes(tmp_path, workers):
+    """Telecom tasks whose user surroundings change on sync: the oracle reaches the gold actions'
+    live state, which tau2's unsynced gold state is not (db_match false, reward 1); with
+    ``gold_sync`` db_match is true, whether grading runs here or in a worker process."""
+    from closedloop.evals.tau.oracle import ScenarioUser
+
+    data = load_domain("telecom", FIXTURES, tau2_source=False)
+    taskset = data.load_tasks("train")
+    expected = json.loads((FIXTURES / "expected.json").read_text())["telecom"]["tasks"]
+    tasks = [t for t in taskset.tasks if expected[t.id]["evaluator"]["db_match"] is False][:2]
+    assert len(tasks) == 2
+    store = RunStore(tmp_path / "runs.duckdb")
+    oracle = make_agent_factory("oracle")
+    for gold_sync in (False, True):
+        settings = EvalSettings(name=f"sync-{gold_sync}", domain="telecom", split="train", data_dir=str(FIXTURES),
+                                task_file_sha256=taskset.sha256, agent="oracle", workers=workers, gold_sync=gold_sync)
+        report = await TauRunner(settings, tasks, data, store, agents=lambda trial: oracle,
+                                 user_for=ScenarioUser).run()
+        infos = [s.reward_info for s in report.simulations]
+        assert [i.db_check.db_match for i in infos] == [gold_sync] * 2 and [i.reward for i in infos] == [1.0] * 2
 
 
 async def test_cancel_marks_interrupted_keeps_finished_episodes_and_resume_completes(mini_root, store):
