@@ -94,9 +94,8 @@ def check_model(value: str) -> str:
     if spec.backend in _LOCAL_BACKENDS:
         try:
             directory = resolve_path(spec.model, name="model")
-        except PathOutsideRoot as e:
-            if not _is_hub_id(spec.model):
-                raise ModelNotAllowed(str(e)) from None
+        except PathOutsideRoot as e:  # a hub id never resolves outside (it would be a link in the root)
+            raise ModelNotAllowed(str(e)) from None
         else:
             if directory.is_dir():
                 return f"{spec.backend}:{directory}"
