@@ -39,6 +39,7 @@ __all__ = ["MODELS_ENV", "ModelArg", "ModelNotAllowed", "allow_model", "allowed_
 
 MODELS_ENV = "CLOSEDLOOP_TOOL_MODELS"
 _LOCAL_BACKENDS = ("hf", "vllm")
+_MAX_SPEC = 4200  # a backend, a path of at most 4096 characters, a URL
 _ADDED: list[str] = []  # entries given on a command line for this process (``--allow-model``)
 # A hub id: ``name`` or ``org/name``, never something a filesystem would read as a path.
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
@@ -89,6 +90,8 @@ def check_model(value: str) -> str:
     from closedloop.paths import PathOutsideRoot, resolve_path
     from closedloop.store.redact import redact_spec
 
+    if len(value) > _MAX_SPEC:  # before parsing: parse errors quote the spec
+        raise ModelNotAllowed(f"a model spec of {len(value)} characters is not a usable model (at most {_MAX_SPEC})")
     spec = parse_spec(value)  # a malformed spec: ValueError, with any key in it redacted
     shown = _shown(redact_spec(value) or "")
     if spec.backend in _LOCAL_BACKENDS:
