@@ -19,8 +19,12 @@ Files. Array arguments travel as paths (``.npy``/``.npz``/``.safetensors``) or i
 so it has a working directory: a string argument that looks like a path (it contains a path
 separator, starts with ``~`` or ``.``, or ends in a file suffix such as ``.npy``) is resolved
 against the working directory (symlinks followed) and must stay inside it; otherwise the call is a
-tool error and the tool never runs. Relative paths are handed to the tool resolved, so the server
-process's own current directory does not matter. Tool outputs saved as artifacts should land in the
+tool error and the tool never runs; the refusal shows the argument as given, never the working
+directory's absolute path or where a link points. The path of an ``hf:``/``vllm:`` model spec is
+confined the same way, and model arguments pass the operator's allow-list
+(:mod:`closedloop.tool_models`), so a client cannot make a tool send this server's keys to a URL of
+its choosing. Relative paths are handed to the tool resolved, so the server process's own current
+directory does not matter. Tool outputs saved as artifacts should land in the
 working directory too (the CLI points ``CLOSEDLOOP_ARTIFACTS`` there), so a client can pass a
 returned path back in.
 """

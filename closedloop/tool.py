@@ -12,8 +12,10 @@ raises (only a cancellation of the caller passes through).
 Hostile or careless arguments are stopped before the tool runs: JSON text over a size limit,
 nesting deeper than a limit, integers of hundreds of digits, NaN and infinities (the JSON tokens
 and overflowing literals alike) and, through the tool's own ``estimate_bytes``, arguments whose
-working set would exceed the tool's memory ceiling. A result that is not valid JSON (``NaN``,
-``Infinity``) never reaches the model.
+working set would exceed the tool's memory ceiling. A parameter typed
+:data:`closedloop.tool_models.ModelArg` only accepts the models the operator allows (checkpoints
+inside the working root by default), so no argument can point a tool, and its keys, at a URL. A
+result that is not valid JSON (``NaN``, ``Infinity``) never reaches the model.
 
 Where a call runs (``isolation``): ``"inline"`` awaits an async tool on the event loop (a timeout
 cancels it), or calls a sync tool whose author declared it trivial (``isolation="inline"`` given
