@@ -6,7 +6,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -57,24 +56,13 @@ async def test_stdio_server_tools_in_react():
 
 
 @pytest.fixture
-def http_server(tmp_path):
+def http_server(tmp_path, wait_listening):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = (tmp_path / "server.log").open("w")
     proc = subprocess.Popen([sys.executable, SERVER, "http", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    # until it listens or exits: no deadline races its start on a loaded machine, only a hang guard
-    guard = time.monotonic() + 900
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"MCP server exited: {(tmp_path / 'server.log').read_text()[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=5).close()
-            break
-        except OSError:
-            if time.monotonic() > guard:
-                raise
-            time.sleep(0.2)
+    wait_listening(proc, port, tmp_path / "server.log")
     yield f"http://127.0.0.1:{port}/mcp"
     stop_process(proc)
     log.close()

@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
@@ -185,23 +184,8 @@ def _run_stdio(work: Path, outside: Path, env: dict[str, str], listener: Listene
     return asyncio.run(go())
 
 
-def wait_listening(proc: subprocess.Popen, port: int, log: Path) -> None:
-    """Until the server accepts connections, or has exited. No deadline races its start (seconds
-    on an idle machine, minutes at load 16); the one bound is a guard against a hung test run."""
-    guard = time.monotonic() + 900
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=5).close()
-            return
-        except OSError:
-            if time.monotonic() > guard:
-                raise RuntimeError(f"server not listening after 900 s:\n{log.read_text()[-3000:]}") from None
-            time.sleep(0.2)
-
-
-def _run_http(work: Path, outside: Path, env: dict[str, str], log: Path, listener: Listener) -> dict[str, Any]:
+def _run_http(work: Path, outside: Path, env: dict[str, str], log: Path, listener: Listener,
+              wait_listening: Any) -> dict[str, Any]:
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
 
@@ -223,13 +207,13 @@ def _run_http(work: Path, outside: Path, env: dict[str, str], log: Path, listene
 
 
 @pytest.fixture(scope="module", params=["stdio", "http"])
-def served(request, tmp_path_factory, listener) -> tuple[dict[str, Any], Path, Path]:
+def served(request, tmp_path_factory, listener, wait_listening) -> tuple[dict[str, Any], Path, Path]:
     tmp = tmp_path_factory.mktemp(f"mcp-{request.param}")
     work, outside = _layout(tmp)
     env = _env(tmp)
     if request.param == "stdio":
         return _run_stdio(work, outside, env, listener), work, outside
-    return _run_http(work, outside, env, tmp / "server.log", listener), work, outside
+    return _run_http(work, outside, env, tmp / "server.log", listener, wait_listening), work, outside
 
 
 def test_list_tools_advertises_our_own_schemas(served):
