@@ -372,3 +372,15 @@ def test_check_paths_leaves_non_paths_alone_and_resolves_relative_ones(tmp_path)
     assert (out["data"], out["sub"], out["file"]) == (str(root / "d.npz"), str(root / "a/b.npy"), str(root / "table"))
     with pytest.raises(PathOutsideWorkdir, match=r"items\[1\]"):
         check_paths({"items": ["ok.npy", "~/../../etc/passwd"]}, tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    out = check_paths({"model": "hf:ckpt", "hub": "hf:Qwen/Qwen2-0.5B", "url": "openai:m@http://h/v1"}, tmp_path)
+    assert out == {"model": f"hf:{root / 'ckpt'}", "hub": "hf:Qwen/Qwen2-0.5B", "url": "openai:m@http://h/v1"}
+    with pytest.raises(PathOutsideWorkdir, match="^judge: path '../x' is outside"):
+        check_paths({"judge": "vllm:../x"}, tmp_path)
+    deep: Any = "../../etc/x.npy"
+    for _ in range(5000):  # far deeper than Python's recursion limit: Tool.run refuses it, not a crash here
+        deep = [deep]
+    walked, depth = check_paths({"deep": deep}, tmp_path)["deep"], 0
+    while isinstance(walked, list):
+        walked, depth = walked[0], depth + 1
+    assert (depth, walked) == (5000, "../../etc/x.npy")  # left as it was, for Tool.run's depth limit
