@@ -7,23 +7,24 @@ swamp the context. So tools take an :data:`ArrayInput` (a path to ``.npy``/``.np
 Paths resolve inside the working root (:mod:`closedloop.paths`). An array's size is read from its
 header before any data is: a 2 MB ``.npz`` that would unpack to gigabytes is refused, not
 unpacked (limit ``$CLOSEDLOOP_MAX_ARRAY_MB``, default 1024). Saved artifacts are kept under a
-size budget (``$CLOSEDLOOP_ARTIFACTS_MAX_MB``, default 5120): after a save that takes the directory
-over it, the oldest artifacts (older than ten minutes) are removed; :func:`prune_artifacts` also
-removes by age, like ``closedloop runs prune`` does for runs.
+size budget (``$CLOSEDLOOP_ARTIFACTS_MAX_MB``, default 5120) that holds even for a burst of
+writers: every write reserves its size first (:func:`write_artifact`), removes the oldest artifacts
+(older than ten minutes) to make room, and is refused when younger files fill the budget;
+:func:`prune_artifacts` also removes by age, like ``closedloop runs prune`` does for runs.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 import uuid
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, BinaryIO, Callable, Iterator, Union
 
 import numpy as np
 from pydantic import BaseModel
@@ -44,7 +45,8 @@ class ArrayRef(BaseModel):
 
 
 __all__ = ["ArrayInput", "ArrayRef", "ArtifactError", "artifact_dir", "load_array", "save_array", "array_output",
-           "check_array_file", "resolve_array_path", "max_array_bytes", "prune_artifacts", "PruneReport", "INLINE_LIMIT"]
+           "check_array_file", "resolve_array_path", "max_array_bytes", "prune_artifacts", "PruneReport", "INLINE_LIMIT",
+           "write_artifact"]
 
 
 class ArtifactError(ValueError):
@@ -177,17 +179,117 @@ def load_array(value: ArrayInput, *, key: str | None = None, name: str = "array"
     return arr
 
 
-def save_array(arr: Any, *, prefix: str = "array", directory: Path | None = None) -> ArrayRef:
+def save_array(arr: Any, *, prefix: str = "array") -> ArrayRef:
+    """Save ``arr`` as a ``.npy`` artifact (under the size budget, see :func:`write_artifact`)."""
     arr = np.asarray(arr)
-    own_dir = directory is None
-    directory = directory or artifact_dir()
-    path = directory / f"{prefix}-{uuid.uuid4().hex[:12]}.npy"
-    tmp = path.with_suffix(".tmp.npy")
-    np.save(tmp, arr)
-    os.replace(tmp, path)  # never leave a half-written artifact behind
-    if own_dir:
-        _note_write(directory, arr.nbytes)
+    path = write_artifact(prefix, ".npy", lambda f: np.save(f, arr, allow_pickle=False),
+                          reserve_bytes=arr.nbytes + _NPY_HEADER_MAX)
     return ArrayRef(path=str(path), shape=list(arr.shape), dtype=str(arr.dtype))
+
+
+# An upper bound of a .npy header (numpy pads it to 64 bytes; a few hundred in practice).
+_NPY_HEADER_MAX = 4096
+# Files younger than this are never removed by the size budget: a run may still hand them on.
+MIN_AGE_S = 600.0
+_LOCK_NAME = ".budget.lock"  # dot files are neither counted nor pruned
+
+
+def write_artifact(prefix: str, suffix: str, write: Callable[[BinaryIO], None], *, reserve_bytes: int) -> Path:
+    """Write a new artifact with ``write(file)`` and return its path, keeping the directory under
+    its size budget (``$CLOSEDLOOP_ARTIFACTS_MAX_MB``) even for a burst of writers.
+
+    ``reserve_bytes`` (an upper bound of the file's size) is reserved before anything is written,
+    under a lock that every writer of the directory takes, processes included (sandboxed tools
+    write here too): the file is created at that size, so the next writer counts it while it is
+    being filled. When the directory cannot hold it, the oldest artifacts older than ten minutes
+    are removed; if that is not enough, the write is refused with :class:`ArtifactError` (younger
+    files are kept: a run may still hand them on). A file that outgrew its reservation is
+    checked against the budget once more before it is kept. Each write scans the directory (one
+    ``stat`` per file), the price of a budget that holds across processes.
+    """
+    directory = artifact_dir()
+    budget = _budget_bytes()
+    reserve_bytes = max(0, int(reserve_bytes))
+    path = directory / f"{prefix}-{uuid.uuid4().hex[:12]}{suffix}"
+    partial = path.with_name(f"{path.stem}.partial{suffix}")  # counted while written; never handed out
+    with _budget_lock(directory):
+        _make_room(directory, reserve_bytes, budget)
+        fh = open(partial, "w+b")
+        fh.truncate(reserve_bytes)  # the reservation: sparse, but counted at this size
+    try:
+        with fh:
+            write(fh)
+            fh.truncate(fh.tell())
+        if partial.stat().st_size > reserve_bytes:
+            with _budget_lock(directory):
+                used = _usage(directory)
+                if used > budget:
+                    raise ArtifactError(_full_message(used - partial.stat().st_size, partial.stat().st_size, budget))
+                os.replace(partial, path)
+        else:
+            os.replace(partial, path)  # never leave a half-written artifact behind
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _budget_bytes() -> int:
+    return int(_env_mb("CLOSEDLOOP_ARTIFACTS_MAX_MB", 5120) * 2**20)
+
+
+@contextmanager
+def _budget_lock(directory: Path) -> Iterator[None]:
+    """Exclusive across threads and processes (``flock`` on a lock file in the directory)."""
+    import fcntl
+
+    with open(directory / _LOCK_NAME, "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _files(directory: Path) -> list[tuple[float, int, Path]]:
+    """(mtime, size, path) of the directory's artifacts (dot files excluded), oldest first."""
+    files = []
+    with os.scandir(directory) as it:
+        for entry in it:
+            if entry.name.startswith("."):
+                continue
+            try:
+                if entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    files.append((st.st_mtime, st.st_size, Path(entry.path)))
+            except OSError:
+                continue
+    files.sort()
+    return files
+
+
+def _usage(directory: Path) -> int:
+    return sum(size for _, size, _ in _files(directory))
+
+
+def _make_room(directory: Path, need: int, budget: int) -> None:
+    used = _usage(directory)
+    if used + need <= budget:
+        return
+    if need <= budget:
+        used = prune_artifacts(max_total_mb=(budget - need) / 2**20, directory=directory).kept_bytes
+    if used + need > budget:
+        raise ArtifactError(_full_message(used, need, budget))
+
+
+def _full_message(used: int, need: int, budget: int) -> str:
+    if need > budget:
+        return (f"this output needs {need / 2**20:.1f} MiB, more than the artifacts directory's whole budget of "
+                f"{budget / 2**20:.0f} MiB (CLOSEDLOOP_ARTIFACTS_MAX_MB); ask for a smaller output")
+    return (f"the artifacts directory cannot take this output: it needs {need / 2**20:.1f} MiB and the directory "
+            f"holds {used / 2**20:.1f} MiB of its {budget / 2**20:.0f} MiB budget (CLOSEDLOOP_ARTIFACTS_MAX_MB) in "
+            f"files younger than {MIN_AGE_S / 60:.0f} minutes, which are kept; ask for a smaller output, or try "
+            f"again later")
 
 
 @dataclass
@@ -200,12 +302,6 @@ class PruneReport:
     kept_bytes: int
 
 
-# Files younger than this are never removed by the size budget: a run may still hand them on.
-MIN_AGE_S = 600.0
-_written = {"bytes": 0}
-_written_lock = threading.Lock()
-
-
 def prune_artifacts(*, older_than: timedelta | None = None, max_total_mb: float | None = None,
                     directory: Path | None = None, min_age_s: float = MIN_AGE_S,
                     dry_run: bool = False) -> PruneReport:
@@ -213,15 +309,7 @@ def prune_artifacts(*, older_than: timedelta | None = None, max_total_mb: float 
     at most ``max_total_mb`` (files younger than ``min_age_s`` are kept either way)."""
     directory = directory or artifact_dir()
     now = time.time()
-    files = []
-    for p in directory.iterdir():
-        try:
-            st = p.stat()
-        except OSError:
-            continue
-        if p.is_file():
-            files.append((st.st_mtime, st.st_size, p))
-    files.sort()  # oldest first
+    files = _files(directory)
     total = sum(f[1] for f in files)
     removed = freed = 0
     budget = None if max_total_mb is None else max_total_mb * 2**20
@@ -240,17 +328,6 @@ def prune_artifacts(*, older_than: timedelta | None = None, max_total_mb: float 
                 continue
         removed, freed, total = removed + 1, freed + size, total - size
     return PruneReport(removed=removed, freed_bytes=freed, kept=len(files) - removed, kept_bytes=total)
-
-
-def _note_write(directory: Path, nbytes: int) -> None:
-    """Apply the size budget after every ~1/20 of it written (scanning on each save would be slow)."""
-    budget_mb = _env_mb("CLOSEDLOOP_ARTIFACTS_MAX_MB", 5120)
-    with _written_lock:
-        _written["bytes"] += nbytes
-        if _written["bytes"] < budget_mb * 2**20 / 20:
-            return
-        _written["bytes"] = 0
-    prune_artifacts(max_total_mb=budget_mb, directory=directory)
 
 
 def array_output(arr: Any, *, prefix: str = "array", inline_limit: int = INLINE_LIMIT) -> Any:

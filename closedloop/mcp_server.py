@@ -19,8 +19,12 @@ Files. Array arguments travel as paths (``.npy``/``.npz``/``.safetensors``) or i
 so it has a working directory: a string argument that looks like a path (it contains a path
 separator, starts with ``~`` or ``.``, or ends in a file suffix such as ``.npy``) is resolved
 against the working directory (symlinks followed) and must stay inside it; otherwise the call is a
-tool error and the tool never runs. Relative paths are handed to the tool resolved, so the server
-process's own current directory does not matter. Tool outputs saved as artifacts should land in the
+tool error and the tool never runs; the refusal shows the argument as given, never the working
+directory's absolute path or where a link points. The path of an ``hf:``/``vllm:`` model spec is
+confined the same way, and model arguments pass the operator's allow-list
+(:mod:`closedloop.tool_models`), so a client cannot make a tool send this server's keys to a URL of
+its choosing. Relative paths are handed to the tool resolved, so the server process's own current
+directory does not matter. Tool outputs saved as artifacts should land in the
 working directory too (the CLI points ``CLOSEDLOOP_ARTIFACTS`` there), so a client can pass a
 returned path back in.
 """
@@ -36,9 +40,10 @@ from typing import Any
 import mcp_types as types
 from mcp.server import Server
 
-from closedloop.tool import ToolRegistry
+from closedloop.tool import ArgumentLimits, ToolRegistry
 
-__all__ = ["PathOutsideWorkdir", "build_server", "check_paths", "mcp_tools", "run_stdio", "http_app", "run_http"]
+__all__ = ["PathOutsideWorkdir", "build_server", "check_paths", "mcp_tools", "run_stdio", "http_app", "run_http",
+           "unreadable_line_error"]
 
 # Suffixes that make a bare file name count as a path (artifacts and the data files tools read).
 PATH_SUFFIXES = (".npy", ".npz", ".safetensors", ".json", ".jsonl", ".csv", ".txt", ".parquet", ".pt", ".bin")
@@ -61,32 +66,54 @@ def _looks_like_path(value: str) -> bool:
 def check_paths(arguments: Any, workdir: Path) -> Any:
     """Return ``arguments`` with every path-like string resolved inside ``workdir``.
 
-    Walks nested lists and dicts (inline arrays are lists of numbers and pass untouched). Raises
-    :class:`PathOutsideWorkdir` naming the argument when a path escapes the working directory.
-    Relative paths become absolute when they name an existing file or end in a data-file suffix.
+    Walks nested lists and dicts (inline arrays are lists of numbers and pass untouched); the path
+    of an ``hf:``/``vllm:`` model spec counts as a path. Raises :class:`PathOutsideWorkdir` naming
+    the argument when a path escapes the working directory; the message shows the argument as
+    given, never where it resolved to nor the directory itself (a client must not learn the
+    server's layout or a link's target). Relative paths become absolute when they name an
+    existing file or end in a data-file suffix. A string no filesystem could open (a NUL byte, a
+    name over the system's limit) reaches the tool unchanged, whose own check refuses it.
     """
     root = workdir.resolve()
+    max_depth = ArgumentLimits().max_depth
 
-    def walk(value: Any, where: str) -> Any:
+    def walk(value: Any, where: str, depth: int) -> Any:
+        if depth > max_depth:
+            return value  # Tool.run refuses arguments nested this deep
         if isinstance(value, str):
-            if not _looks_like_path(value):
-                return value
-            resolved = (root / Path(value).expanduser()).resolve()
-            if not resolved.is_relative_to(root):
-                raise PathOutsideWorkdir(f"{where}: path {value!r} resolves to {resolved}, outside the server's "
-                                         f"working directory {root}; use a path inside it")
-            # Hand the tool an absolute path only when the string surely names a file; other text
-            # that merely contains a slash ("1/2") reaches the tool unchanged.
-            return str(resolved) if resolved.exists() or value.lower().endswith(PATH_SUFFIXES) else value
+            for prefix in _MODEL_PREFIXES:
+                if value.startswith(prefix):
+                    return prefix + _inside(value[len(prefix):], root, where)
+            return _inside(value, root, where) if _looks_like_path(value) else value
         if isinstance(value, list):
-            return [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            return [walk(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
         if isinstance(value, dict):
-            return {k: walk(v, f"{where}.{k}") for k, v in value.items()}
+            return {k: walk(v, f"{where}.{k}", depth + 1) for k, v in value.items()}
         return value
 
     if not isinstance(arguments, dict):
         return arguments  # Tool.run reports the wrong type to the caller
-    return {k: walk(v, k) for k, v in arguments.items()}
+    return {k: walk(v, k, 1) for k, v in arguments.items()}
+
+
+_MODEL_PREFIXES = ("hf:", "vllm:")  # model specs whose rest is a local path (or a hub id)
+
+
+def _inside(value: str, root: Path, where: str) -> str:
+    """``value`` resolved against ``root``; :class:`PathOutsideWorkdir` when it leaves it."""
+    try:
+        resolved = (root / Path(value).expanduser()).resolve()
+        inside = resolved.is_relative_to(root)
+        exists = inside and resolved.exists()
+    except (OSError, ValueError, RuntimeError):
+        return value  # not a path any filesystem call accepts: the tool's own check says so
+    if not inside:
+        shown = value if len(value) <= 200 else value[:200] + "..."
+        raise PathOutsideWorkdir(f"{where}: path {shown!r} is outside the server's working directory; use a "
+                                 f"path inside it (relative paths resolve against it)")
+    # Hand the tool an absolute path only when the string surely names a file; other text that
+    # merely contains a slash ("1/2") reaches the tool unchanged.
+    return str(resolved) if exists or value.lower().endswith(PATH_SUFFIXES) else value
 
 
 def mcp_tools(registry: ToolRegistry) -> list[types.Tool]:
@@ -125,11 +152,14 @@ def build_server(registry: ToolRegistry, *, workdir: str | os.PathLike[str] | No
 
     async def on_call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         if params.name not in registry:
-            return _error(f"unknown tool {params.name!r}; available tools: {sorted(registry.tools)}")
+            shown = params.name if len(params.name) <= 100 else params.name[:100] + "..."
+            return _error(f"unknown tool {shown!r}; available tools: {sorted(registry.tools)}")
         try:
             arguments = check_paths(params.arguments or {}, root)
         except PathOutsideWorkdir as e:
             return _error(str(e))
+        except Exception as e:  # noqa: BLE001 - a tool call's trouble is a tool error, never a protocol error
+            return _error(f"arguments of {params.name} could not be checked ({type(e).__name__})")
         result = await registry.get(params.name).run(arguments)
         if not result.ok:
             return _error(result.error or "tool failed")
@@ -146,16 +176,67 @@ def build_server(registry: ToolRegistry, *, workdir: str | os.PathLike[str] | No
         return registry.get(tool_name).parameters if tool_name in registry else None
 
     return Server(name, version=closedloop.__version__,
-                  instructions=f"closedloop tools; path arguments must lie inside {root}",
+                  instructions="closedloop tools; path arguments must lie inside the server's working directory "
+                               "(relative paths resolve against it)",
                   get_tool_input_schema=input_schema, on_list_tools=on_list_tools, on_call_tool=on_call_tool)
 
 
 async def run_stdio(server: Server) -> None:
-    """Serve one client over stdin/stdout until it disconnects."""
+    """Serve one client over stdin/stdout until it disconnects.
+
+    A line that is not a JSON-RPC message is answered with an error: the SDK's stdio transport
+    only logs it, so a client that sent a malformed request would wait for its reply forever.
+    """
+    import anyio
     from mcp.server.stdio import stdio_server
+    from mcp.shared.message import SessionMessage
 
     async with stdio_server() as (read_stream, write_stream):
-        await server.run(read_stream, write_stream, server.create_initialization_options())
+        inbox_in, inbox = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+
+        async def forward() -> None:
+            async with inbox_in:
+                async for item in read_stream:
+                    if isinstance(item, Exception):
+                        await write_stream.send(SessionMessage(unreadable_line_error(item)))
+                    else:
+                        await inbox_in.send(item)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(forward)
+            await server.run(inbox, write_stream, server.create_initialization_options())
+            tg.cancel_scope.cancel()
+
+
+def unreadable_line_error(exc: Exception) -> types.JSONRPCError:
+    """The JSON-RPC answer to a line the transport could not read as a message (``exc`` is what
+    the SDK's validation raised): -32700 for text that is not JSON, -32600 for JSON that is not a
+    valid message. Either carries the line's own id when one can be read (from the JSON, or from
+    the complete prefix of a truncated line), so the client's pending request fails instead of
+    waiting forever; else id null."""
+    import pydantic_core
+    from pydantic import ValidationError
+
+    errors = exc.errors() if isinstance(exc, ValidationError) else []
+    unparsable = not errors or any(e["type"] == "json_invalid" for e in errors)
+    candidates: list[Any] = [e.get("input") for e in errors]
+    if unparsable:
+        for text in [c for c in candidates if isinstance(c, str)]:
+            try:
+                candidates.append(pydantic_core.from_json(text, allow_partial=True))
+            except ValueError:
+                pass
+    request_id = next((c["id"] for c in candidates if isinstance(c, dict) and _is_request_id(c.get("id"))), None)
+    if unparsable:
+        error = types.ErrorData(code=types.PARSE_ERROR, message="Parse error: not JSON")
+    else:
+        error = types.ErrorData(code=types.INVALID_REQUEST,
+                                message="Invalid Request: not a JSON-RPC 2.0 request, notification or response")
+    return types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error)
+
+
+def _is_request_id(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def http_app(server: Server, *, path: str = "/mcp", host: str = "127.0.0.1", json_response: bool = False) -> Any:

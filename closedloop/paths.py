@@ -11,9 +11,9 @@ result to lie inside one of :func:`working_roots`:
 - and any directory listed in ``$CLOSEDLOOP_WORKING_ROOTS`` (``os.pathsep``-separated), which is
   how a user widens the root.
 
-The refusal names the argument and the roots but never says whether the file outside exists:
-the same message for every outside path, existing or not, so errors cannot be used to probe the
-machine.
+The refusal names the argument but neither the roots' absolute paths nor where a link points, and
+never says whether the file outside exists: the same message for every outside path, existing or
+not, so errors cannot be used to probe the machine (or, over MCP, to learn its layout).
 """
 
 from __future__ import annotations
@@ -80,7 +80,6 @@ def resolve_path(value: str | os.PathLike[str], *, name: str = "path") -> Path:
         resolved = None
     if resolved is None or not is_inside(resolved, roots):
         shown = text if len(text) <= 200 else text[:200] + "..."
-        raise PathOutsideRoot(f"{name}: path {shown!r} is outside the working root "
-                              f"({', '.join(str(r) for r in roots)}); use a file inside it, or widen the root "
-                              f"with {ROOTS_ENV}")
+        raise PathOutsideRoot(f"{name}: path {shown!r} is outside the working root (the current directory, the "
+                              f"artifacts directory, {ROOTS_ENV}); use a file inside it")
     return resolved

@@ -12,8 +12,10 @@ raises (only a cancellation of the caller passes through).
 Hostile or careless arguments are stopped before the tool runs: JSON text over a size limit,
 nesting deeper than a limit, integers of hundreds of digits, NaN and infinities (the JSON tokens
 and overflowing literals alike) and, through the tool's own ``estimate_bytes``, arguments whose
-working set would exceed the tool's memory ceiling. A result that is not valid JSON (``NaN``,
-``Infinity``) never reaches the model.
+working set would exceed the tool's memory ceiling. A parameter typed
+:data:`closedloop.tool_models.ModelArg` only accepts the models the operator allows (checkpoints
+inside the working root by default), so no argument can point a tool, and its keys, at a URL. A
+result that is not valid JSON (``NaN``, ``Infinity``) never reaches the model.
 
 Where a call runs (``isolation``): ``"inline"`` awaits an async tool on the event loop (a timeout
 cancels it), or calls a sync tool whose author declared it trivial (``isolation="inline"`` given
@@ -378,11 +380,13 @@ class Tool:
         from closedloop.paths import ROOTS_ENV, working_roots
 
         from closedloop.store.redact import is_sensitive_key
+        from closedloop.tool_models import MODELS_ENV, allowed_models
 
         env = {k: v for k, v in os.environ.items()
                if (k.startswith("CLOSEDLOOP_") or k in _CHILD_ENV) and not is_sensitive_key(k)}
         env.update({"CLOSEDLOOP_ARTIFACTS": str(artifacts), "CLOSEDLOOP_HOME": str(settings.home.resolve()),
-                    ROOTS_ENV: os.pathsep.join(str(r) for r in working_roots())})
+                    ROOTS_ENV: os.pathsep.join(str(r) for r in working_roots()),
+                    MODELS_ENV: ",".join(allowed_models())})  # what this process allows, --allow-model included
         wall = self.timeout_s or 24 * 3600.0
         limits = SandboxLimits(wall_s=wall, cpu_s=None, memory_mb=self.memory_mb, env=env,
                                writable_paths=[str(artifacts)], file_size_mb=1024)
@@ -404,6 +408,15 @@ class Tool:
             raise _CallFailed("exception", f"tool {self.name} raised {res.error_type}: "
                               f"{_short(res.error_message or '', 2000)}")
         raise _CallFailed("exception", f"tool {self.name} {res.error_message or res.status}")
+
+    def with_options(self, **changes: Any) -> "Tool":
+        """A copy of this tool with some of its options changed (``timeout_s=None``: a caller that
+        wants the result however long it takes, e.g. a test on a loaded machine)."""
+        options: dict[str, Any] = dict(name=self.name, description=self.description, timeout_s=self.timeout_s,
+                                       mutates=self.mutates, serialize=self._serialize, isolation=self.isolation,
+                                       memory_mb=self.memory_mb, estimate_bytes=self.estimate_bytes,
+                                       limits=self.limits)
+        return Tool(self.fn, **{**options, **changes})
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the underlying function directly, as plain Python."""

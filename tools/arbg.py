@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Annotated, Callable, Literal
 
@@ -44,7 +43,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, Field
 from torch import nn
 
-from closedloop.artifacts import ArrayInput, ArrayRef, array_output, artifact_dir, load_array
+from closedloop.artifacts import ArrayInput, ArrayRef, array_output, load_array, write_artifact
 from closedloop.tool import ArgumentLimits, Tool, tool
 
 __all__ = [
@@ -452,8 +451,10 @@ def arbg_toy(energy: ToyName = "gmm", num_bins: Annotated[int, Field(ge=2, le=10
     ref_e = toy.energy(run.reference).numpy()
     ref: ArrayRef | None = None
     if save_samples:
-        path = artifact_dir() / f"arbg-samples-{uuid.uuid4().hex[:12]}.npz"
-        np.savez(path, x=run.samples.numpy(), log_q=run.log_q.numpy(), energy=run.energy.numpy(), weights=w.numpy())
+        arrays = {"x": run.samples.numpy(), "log_q": run.log_q.numpy(), "energy": run.energy.numpy(),
+                  "weights": w.numpy()}
+        reserve = sum(a.nbytes for a in arrays.values()) + 2**16  # uncompressed .npz: headers and zip records
+        path = write_artifact("arbg-samples", ".npz", lambda f: np.savez(f, **arrays), reserve_bytes=reserve)
         ref = ArrayRef(path=str(path), shape=list(run.samples.shape), dtype="float64", key="x")
     n_ess = ess(run.log_w)
     return ToyReport(

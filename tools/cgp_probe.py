@@ -40,6 +40,7 @@ from torch import nn
 
 from closedloop.artifacts import ArrayInput, load_array
 from closedloop.tool import Tool, tool
+from closedloop.tool_models import ModelArg
 
 __all__ = ["CGPProbe", "CGPFit", "fit_cgp", "hf_layer_features", "TOOLS"]
 
@@ -235,13 +236,13 @@ def cgp_probe_features(patch_tokens: ArrayInput, labels: ArrayInput, cls_tokens:
 
 
 @tool(timeout_s=600)
-def cgp_probe_hf(model: str, texts: Annotated[list[str], Field(min_length=2)], labels: list[int],
+def cgp_probe_hf(model: ModelArg, texts: Annotated[list[str], Field(min_length=2)], labels: list[int],
                  cls_pool: ClsPool = "last", num_prototypes: Protos = 64, steps: Steps = 200,
                  lr: Annotated[float, Field(gt=0)] = 1e-3, seed: int = 0) -> CGPReport:
     """Which layer of an HF model knows the label: CGP probe on its frozen hidden states.
 
     Args:
-        model: hf:<local checkpoint directory> (any AutoModel with hidden states).
+        model: hf:<checkpoint directory inside the working root> (any AutoModel with hidden states).
         texts: Inputs, one per example.
         labels: Integer class per text.
         cls_pool: Which token stands in for CLS: 'first', 'last' (causal LMs) or 'mean'.

@@ -34,7 +34,6 @@ import asyncio
 import json
 import math
 import re
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Literal, Sequence
@@ -43,10 +42,11 @@ import sacrebleu
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 from scipy import stats
 
-from closedloop.artifacts import ArtifactError, artifact_dir
+from closedloop.artifacts import ArtifactError, write_artifact
 from closedloop.messages import SystemMessage, UserMessage
 from closedloop.models.base import ModelClient, SamplingParams
 from closedloop.tool import Tool, tool
+from closedloop.tool_models import ModelArg
 
 __all__ = [
     "Note", "load_notes", "load_hypotheses", "benchmark_counts", "check_full_benchmark", "EXPECTED_COUNTS",
@@ -432,7 +432,7 @@ def _mean(xs: list[float | None]) -> float | None:
 
 
 @tool(timeout_s=3600)
-async def culture_mt_judge(notes_path: str, hypotheses_path: str, judge_model: str,
+async def culture_mt_judge(notes_path: str, hypotheses_path: str, judge_model: ModelArg,
                            max_notes: Annotated[int, Field(ge=1)] | None = None,
                            include_reference: bool = False,
                            accuracy_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5,
@@ -445,7 +445,7 @@ async def culture_mt_judge(notes_path: str, hypotheses_path: str, judge_model: s
     Args:
         notes_path: Notes .jsonl/.json.
         hypotheses_path: .jsonl with {"id", "hypothesis"} per note, or .txt with one line per note.
-        judge_model: Model spec: openai:<model>[@base_url], hf:<path-or-id> or vllm:<path-or-id>.
+        judge_model: Model spec: hf:<checkpoint directory inside the working root>, or an openai:<model>[@base_url] / hub id the operator allowed (CLOSEDLOOP_TOOL_MODELS).
         max_notes: Judge only the first N notes.
         include_reference: Show the reference translation to the judge (default: reference-free, as the paper).
         accuracy_weight: w in effectiveness = w * accuracy + (1 - w) * adaptability.
@@ -468,11 +468,10 @@ async def culture_mt_judge(notes_path: str, hypotheses_path: str, judge_model: s
     has_refs = all(n.reference is not None for n in notes)
     bleu, chrf = sentence_scores(notes, hyps) if has_refs else ([None] * len(notes), [None] * len(notes))
     eff = [j.effectiveness for j in js]
-    out = artifact_dir() / f"culture-mt-judgments-{uuid.uuid4().hex[:12]}.jsonl"
-    with out.open("w", encoding="utf-8") as f:
-        for n, h, j, b, c in zip(notes, hyps, js, bleu, chrf):
-            f.write(json.dumps({**j.model_dump(), "domain": n.domain, "type": n.type, "hypothesis": h,
-                                "sentence_bleu": b, "sentence_chrf": c}, ensure_ascii=False) + "\n")
+    data = "".join(json.dumps({**j.model_dump(), "domain": n.domain, "type": n.type, "hypothesis": h,
+                               "sentence_bleu": b, "sentence_chrf": c}, ensure_ascii=False) + "\n"
+                   for n, h, j, b, c in zip(notes, hyps, js, bleu, chrf)).encode("utf-8")
+    out = write_artifact("culture-mt-judgments", ".jsonl", lambda f: f.write(data), reserve_bytes=len(data))
     failed = [j for j in js if j.error]
     return JudgeReport(
         judge_model=judge_model, n=len(notes), judged=len(js) - len(failed), failed=len(failed),

@@ -36,6 +36,7 @@ from pydantic import BaseModel, Field
 from torch import nn
 
 from closedloop.tool import Tool, tool
+from closedloop.tool_models import ModelArg
 
 __all__ = ["skip_block", "fog_deltas", "select_layers", "LayerSelection", "find_blocks", "load_hf_stack", "TOOLS"]
 
@@ -175,7 +176,7 @@ class FogReport(BaseModel):
 
 
 @tool(timeout_s=600)
-def fog_layer_attribution(model: str, texts: Annotated[list[str], Field(min_length=1)],
+def fog_layer_attribution(model: ModelArg, texts: Annotated[list[str], Field(min_length=1)],
                           k: Annotated[int, Field(ge=1)] = 3, normalize: Normalize = "topk") -> FogReport:
     """Forward-only gate ablation of an HF causal LM: Δ per decoder layer and the top-k layers.
 
@@ -183,7 +184,7 @@ def fog_layer_attribution(model: str, texts: Annotated[list[str], Field(min_leng
     the selected layers get weights λ ∝ Δ.
 
     Args:
-        model: hf:<local checkpoint directory>.
+        model: hf:<checkpoint directory inside the working root>.
         texts: Probe texts (one domain); each is run alone.
         k: How many layers to select.
         normalize: 'topk' (λ sums to 1 over the selection), 'all' (divide by ΣΔ) or 'none' (λ = Δ).

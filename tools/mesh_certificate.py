@@ -27,7 +27,6 @@ by iterative refinement) or with LSQR; certificates of matrix-free operators use
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -38,7 +37,7 @@ import scipy.sparse.csgraph as csgraph
 import scipy.sparse.linalg as spla
 from pydantic import BaseModel, Field
 
-from closedloop.artifacts import ArrayInput, ArrayRef, ArtifactError, artifact_dir, load_array, save_array
+from closedloop.artifacts import ArrayInput, ArrayRef, ArtifactError, load_array, save_array, write_artifact
 from closedloop.tool import Tool, tool
 
 Operator = Any  # np.ndarray | scipy.sparse matrix | scipy.sparse.linalg.LinearOperator
@@ -481,8 +480,10 @@ def load_operator(value: ArrayInput, name: str) -> Operator:
 
 
 def save_sparse(op: sp.spmatrix, prefix: str) -> ArrayRef:
-    path = artifact_dir() / f"{prefix}-{uuid.uuid4().hex[:12]}.npz"
-    sp.save_npz(path, sp.csr_matrix(op))
+    m = sp.csr_matrix(op)
+    raw = m.data.nbytes + m.indices.nbytes + m.indptr.nbytes
+    # compressed .npz: at most the raw arrays, deflate's worst case (+0.1%) and the zip's own records
+    path = write_artifact(prefix, ".npz", lambda f: sp.save_npz(f, m), reserve_bytes=raw + raw // 100 + 2**16)
     return ArrayRef(path=str(path), shape=list(op.shape), dtype=str(op.dtype))
 
 

@@ -47,6 +47,7 @@ from pydantic import BaseModel, Field
 
 from closedloop.artifacts import ArrayInput, ArtifactError, load_array
 from closedloop.tool import Tool, tool
+from closedloop.tool_models import ModelArg
 
 __all__ = ["LABELS", "ranking_prompt", "ListwiseReranker", "qi_ei_scores", "qi_ei_prune", "soft_targets",
            "soft_ranking_loss", "ranknet_loss", "recall_at_k", "ndcg_at_k", "RankingExample",
@@ -390,12 +391,12 @@ def _load_pages(paths: Sequence[str]) -> list[Any]:
 
 
 @tool(timeout_s=600)
-def ziprerank_rerank(model: str, query: str, candidates: Annotated[list[str], Field(min_length=1)],
+def ziprerank_rerank(model: ModelArg, query: str, candidates: Annotated[list[str], Field(min_length=1)],
                      window: Window = 20, stride: Annotated[int, Field(ge=1)] = 10) -> RerankReport:
     """Listwise rerank with one forward per window (label first-token logits).
 
     Args:
-        model: hf:<local checkpoint directory>: a causal LM (text candidates) or a vision-language model with its processor (candidates are page image files).
+        model: hf:<checkpoint directory inside the working root>: a causal LM (text candidates) or a vision-language model with its processor (candidates are page image files).
         query: The search query.
         candidates: Candidate passages in first-stage order (texts, or image file paths for a VLM).
         window: Candidates per forward pass (≤ 26, letters A–Z; the paper uses 20).
@@ -407,12 +408,12 @@ def ziprerank_rerank(model: str, query: str, candidates: Annotated[list[str], Fi
 
 
 @tool(timeout_s=1800)
-def ziprerank_evaluate(model: str, ranking_set: str, ks: list[Annotated[int, Field(ge=1)]] = [1, 3, 5],  # noqa: B006
+def ziprerank_evaluate(model: ModelArg, ranking_set: str, ks: list[Annotated[int, Field(ge=1)]] = [1, 3, 5],  # noqa: B006
                        window: Window = 20, stride: Annotated[int, Field(ge=1)] = 10) -> dict:
     """Recall@k and nDCG@k of the first-stage order and of the listwise rerank on a local ranking set.
 
     Args:
-        model: hf:<local checkpoint directory> of a causal LM, or of a VLM with its processor.
+        model: hf:<checkpoint directory inside the working root> of a causal LM, or of a VLM with its processor.
         ranking_set: JSONL file, one {"query", "candidates", "relevant"} per line (for a VLM, candidates are image files relative to it).
         ks: Cut-offs k.
         window: Candidates per forward pass (≤ 26).

@@ -2,6 +2,10 @@
 
 stdio is what desktop clients spawn (``{"command": "closedloop", "args": ["mcp", "serve"]}``); the
 protocol owns stdout there, so everything this command says goes to stderr.
+
+A model argument may name local checkpoints inside ``--workdir``; endpoints and hub models only
+what ``--allow-model`` / ``$CLOSEDLOOP_TOOL_MODELS`` list (:mod:`closedloop.tool_models`), so a
+client can never make a tool send this process's keys to a URL of its choosing.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from closedloop import plugins
+from closedloop.tool_models import allow_model, allowed_models
 
 err = Console(stderr=True)
 
@@ -32,6 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="HTTP: answer each request with a JSON body instead of an SSE stream")
     s.add_argument("--workdir", default=".",
                    help="directory path arguments are resolved against and may not leave (default: current)")
+    s.add_argument("--allow-model", action="append", default=[], metavar="SPEC",
+                   help="a model a tool argument may name besides local checkpoints in the working directory: "
+                        "openai:<model glob>[@<exact base URL>] or hf:<hub id glob> (repeatable; adds to "
+                        "$CLOSEDLOOP_TOOL_MODELS); keys come from this process's environment")
     s.set_defaults(func=handle_serve)
 
 
@@ -40,19 +50,22 @@ def handle_serve(args: argparse.Namespace) -> int:
 
     workdir = Path(args.workdir).expanduser().resolve()
     if not workdir.is_dir():
-        err.print(f"[red]error:[/red] --workdir {workdir} is not a directory")
+        err.print(f"[red]error:[/red] --workdir {escape(str(workdir))} is not a directory")
         return 2
     modules = [m for m in args.tools.split(",") if m] or None
     try:
+        for entry in args.allow_model:
+            allow_model(entry)
+        allowed_models()  # a malformed $CLOSEDLOOP_TOOL_MODELS is said here, not to a client
         registry = plugins.tool_registry(modules)
-    except plugins.PluginNotFound as e:
-        err.print(f"[red]error:[/red] {e}")
+    except (plugins.PluginNotFound, ValueError) as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}")
         return 2
     _artifacts_inside(workdir)
     os.chdir(workdir)  # tools that write relative files write them in the working directory
     server = build_server(registry, workdir=workdir)
     where = "stdio" if args.transport == "stdio" else f"http://{args.host}:{args.port}{args.path}"
-    err.print(f"[dim]closedloop MCP server: {len(registry)} tools on {where}, workdir {workdir}[/dim]")
+    err.print(f"[dim]closedloop MCP server: {len(registry)} tools on {escape(where)}, workdir {escape(str(workdir))}[/dim]")
     if args.transport == "stdio":
         asyncio.run(run_stdio(server))
     else:

@@ -2,7 +2,7 @@
 
 import asyncio
 import json
-import time
+import threading
 from typing import Literal
 
 import pytest
@@ -57,25 +57,30 @@ async def test_bad_arguments_come_back_as_errors(args, kind, fragment):
 
 
 async def test_exceptions_and_timeouts_are_reported_and_the_caller_survives():
+    # The timeout is the subject, so the work never ends by itself: no load can let it finish first.
+    release = threading.Event()
+
     @tool(timeout_s=0.2)
     async def slow(x: int) -> int:
-        await asyncio.sleep(5)
+        await asyncio.Event().wait()
         return x
 
     @tool(timeout_s=0.2)
     def slow_sync(x: int) -> int:
-        time.sleep(0.6)
+        release.wait()
         return x
 
     @tool
     def broken(x: int) -> int:
         raise ZeroDivisionError("boom")
 
-    t0 = time.perf_counter()
-    r = await slow.run({"x": 1})
+    # the guard only stops a hung run: a timeout that did not fire would otherwise wait forever
+    r = await asyncio.wait_for(slow.run({"x": 1}), 600)
     assert r.error_kind == "timeout" and "timed out after 0.2 s" in r.content
-    assert time.perf_counter() - t0 < 2
-    assert (await slow_sync.run({"x": 1})).error_kind == "timeout"
+    try:
+        assert (await asyncio.wait_for(slow_sync.run({"x": 1}), 600)).error_kind == "timeout"
+    finally:
+        release.set()
     r = await broken.run({"x": 1})
     assert r.error_kind == "exception" and "ZeroDivisionError: boom" in r.content
 

@@ -4,6 +4,8 @@ Issue 9 (4): JSON nested 2,000+ deep and a 5,000-digit integer raised out of ``T
 the graph run); ``add``/``multiply`` returned the non-JSON strings ``NaN``/``Infinity``;
 ``hodge_spectrum(rtol=inf)``, ``compatibility_certificate(tol=NaN)`` and
 ``residual_kernel_spectrum(gamma=-1)`` ran and returned silently wrong results.
+Issue 26: ``closedloop tool call --args @/dev/zero`` died of MemoryError, and a 5,000-digit
+integer in ``--args`` ended in a traceback (raised while recording the call).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ async def test_out_of_domain_parameters_are_refused_before_the_call(registry, tm
              ("conditional_krr_fit", {"dataset": dataset, "alpha": 0}, "alpha"),
              ("conditional_krr_fit", {"dataset": dataset, "features": "poly:400"}, "poly:k takes k <= 8")]
     for name, args, fragment in cases:
-        t = registry.get(name)
+        t = registry.get(name).with_options(timeout_s=None)  # results are the subject, on any load
         r = await t.run(args)
         assert not r.ok and fragment in r.error, (name, r.error)
         if "poly" not in fragment:
@@ -95,7 +97,8 @@ async def test_out_of_domain_parameters_are_refused_before_the_call(registry, tm
     assert (await registry.get("hodge_spectrum").run({"d0": d0, "d1": d1, "rtol": float("inf")})).error_kind \
         == "invalid_arguments"
     # in-domain values still work
-    ok = await registry.get("compatibility_certificate").run({"d0": d0, "d1": d1, "tol": 1e-9})
+    ok = await registry.get("compatibility_certificate").with_options(timeout_s=None).run({"d0": d0, "d1": d1,
+                                                                                          "tol": 1e-9})
     assert ok.ok and json.loads(ok.content)["compatible"] is True
 
 
@@ -109,3 +112,32 @@ def test_parse_arguments_serves_callers_with_their_own_convention():
         with pytest.raises(ToolArgumentError) as info:
             parse_arguments(raw)
         assert info.value.kind == kind
+
+
+def _cli(capsys, *argv: str) -> tuple[int, dict, str]:
+    from closedloop.cli import main
+
+    rc = main(["tool", "call", *argv, "--tools", "arithmetic", "--json"])  # an exception here is a traceback
+    out = capsys.readouterr()
+    return rc, json.loads(out.out), out.err
+
+
+@pytest.mark.parametrize("source, fragment", [("/dev/zero", "holds more than 2000000 bytes"),
+                                              ("{tmp}", "cannot read arguments file"),
+                                              ("{tmp}/latin1.json", "not UTF-8 text")])
+def test_the_cli_reads_an_arguments_file_bounded(capsys, tmp_path, source, fragment):
+    (tmp_path / "latin1.json").write_bytes('{"a": "caf\xe9"}'.encode("latin-1"))
+    rc, out, _ = _cli(capsys, "add", "--no-store", "--args", "@" + source.format(tmp=tmp_path))
+    assert rc == 2 and out["error_kind"] == "bad_input" and fragment in out["error"]
+
+
+def test_a_huge_integer_in_the_cli_is_a_clear_error_and_the_run_is_finished(capsys, tmp_path):
+    from closedloop.store import RunStore
+
+    store = tmp_path / "runs.duckdb"
+    rc, out, err = _cli(capsys, "add", "--store", str(store), "--args", '{"a": ' + "9" * 5000 + ', "b": 1}')
+    assert rc == 2 and out["error_kind"] == "invalid_arguments" and "too many digits" in out["error"]
+    run = RunStore(store).get_run(out["run_id"])
+    assert run.status == "failed"  # finished, not left running
+    # recorded, or one line saying why not (the store's redaction of such arguments is the store's own)
+    assert len(run.tool_calls) == 1 or "could not be recorded" in err

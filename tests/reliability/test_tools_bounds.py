@@ -2,13 +2,16 @@
 
 Issue 9 (3): ``pc_bp_alignment(width=4096, depth=256)`` allocated about 32 GiB in 128 MiB steps;
 ``grid_mesh_operators(n=2000)`` wrote 345 MB per call that nothing removed; a 2 MB ``.npz``
-unpacked to 2 GiB.
+unpacked to 2 GiB. Issue 26: the size budget did not bound a burst (4 x ``grid_mesh_operators
+{"n": 700}`` with a 20 MB budget left 160.8 MB: files younger than 10 minutes were never pruned).
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
+import threading
 import time
 import zipfile
 from datetime import timedelta
@@ -39,7 +42,7 @@ async def test_oversized_arguments_are_refused_before_any_allocation(registry, n
 
 
 async def test_a_call_within_bounds_still_runs(registry):
-    r = await registry.get("pc_bp_alignment").run({"width": 16, "depth": 3})
+    r = await registry.get("pc_bp_alignment").with_options(timeout_s=None).run({"width": 16, "depth": 3})
     assert r.ok, r.error
 
 
@@ -84,15 +87,70 @@ def test_artifacts_have_a_retention_rule(tmp_path, monkeypatch):
     assert report.removed == 1 and os.path.exists(refs[3].path)  # young files are never removed
 
 
-def test_saving_past_the_budget_prunes_automatically(tmp_path, monkeypatch):
+def _usage(directory) -> int:
+    return sum(p.stat().st_size for p in directory.iterdir() if not p.name.startswith("."))
+
+
+def test_saving_past_the_budget_prunes_old_artifacts_first(tmp_path, monkeypatch):
     monkeypatch.setenv("CLOSEDLOOP_ARTIFACTS", str(tmp_path))
     monkeypatch.setenv("CLOSEDLOOP_ARTIFACTS_MAX_MB", "3")
     old = time.time() - 3600
+    refs = []
     for i in range(6):
-        ref = save_array(np.zeros(2**17), prefix=f"b{i}")
-        os.utime(ref.path, (old + i, old + i))
-    total = sum(p.stat().st_size for p in tmp_path.iterdir())
-    assert total <= 3 * 2**20 + 2**20  # at most one save past the budget before the next check
+        refs.append(save_array(np.zeros(2**17), prefix=f"b{i}"))  # 1 MiB each
+        os.utime(refs[-1].path, (old + i, old + i))
+        assert _usage(tmp_path) <= 3 * 2**20  # never over, not even for one save
+    assert [os.path.exists(r.path) for r in refs] == [False] * 4 + [True] * 2  # the oldest went first
+
+
+def test_a_burst_of_young_artifacts_is_refused_at_the_budget(tmp_path, monkeypatch):
+    """Eight writers at once, none of whose files may be pruned (all young): the budget holds,
+    the refusals say why, and no half-written file is left behind."""
+    monkeypatch.setenv("CLOSEDLOOP_ARTIFACTS", str(tmp_path))
+    monkeypatch.setenv("CLOSEDLOOP_ARTIFACTS_MAX_MB", "3.5")
+    outcomes: list[object] = []
+    start = threading.Barrier(8)
+
+    def writer(i: int) -> None:
+        start.wait()
+        try:
+            outcomes.append(save_array(np.full(2**17, float(i)), prefix=f"burst{i}"))  # 1 MiB each
+        except ArtifactError as e:
+            outcomes.append(e)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    saved = [o for o in outcomes if not isinstance(o, ArtifactError)]
+    refused = [o for o in outcomes if isinstance(o, ArtifactError)]
+    assert len(saved) == 3 and len(refused) == 5  # 3 x (1 MiB + header) fit in 3.5 MiB, a 4th never does
+    assert all("cannot take this output" in str(e) and "younger than 10 minutes" in str(e) for e in refused)
+    assert _usage(tmp_path) <= 3.5 * 2**20
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == \
+        sorted(os.path.basename(r.path) for r in saved)  # no .partial file survives a refusal
+    for r in saved:  # each saved file holds its own writer's data, whole
+        i = int(os.path.basename(r.path).removeprefix("burst").split("-")[0])
+        assert np.array_equal(load_array(r.path), np.full(2**17, float(i)))
+
+
+async def test_sandboxed_tools_in_a_burst_keep_the_budget(tmp_path, monkeypatch, registry):
+    """The issue's reproduction: four grid_mesh_operators at once, each in its own process. Outputs
+    bigger than the whole budget are refused before anything is written; outputs that fit one
+    at a time but not together stop at the budget (the reservation is shared across processes)."""
+    monkeypatch.setenv("CLOSEDLOOP_ARTIFACTS", str(tmp_path))
+    monkeypatch.setenv("CLOSEDLOOP_ARTIFACTS_MAX_MB", "20")
+    grid = registry.get("grid_mesh_operators").with_options(timeout_s=None)  # results are the subject
+    results = await asyncio.gather(*[grid.run({"n": 700}) for _ in range(4)])
+    assert all(r.error_kind == "exception" and "more than the artifacts directory's whole budget" in r.error
+               for r in results), [r.error for r in results]
+    assert _usage(tmp_path) == 0
+    monkeypatch.setenv("CLOSEDLOOP_ARTIFACTS_MAX_MB", "8")  # one n=200 call keeps 3.3 MiB; four cannot all fit
+    results = await asyncio.gather(*[grid.run({"n": 200}) for _ in range(4)])
+    assert all(r.ok or "cannot take this output" in r.error for r in results), [r.error for r in results]
+    assert _usage(tmp_path) <= 8 * 2**20
+    assert not any(p.name.count(".partial") for p in tmp_path.iterdir())
 
 
 def test_runs_prune_also_prunes_artifacts(tmp_path, monkeypatch, capsys):

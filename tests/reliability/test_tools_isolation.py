@@ -10,6 +10,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -67,17 +70,16 @@ def test_a_thread_call_that_ends_late_is_no_longer_counted():
 
     @tool(timeout_s=0.05)
     def waits(x: int) -> int:
-        """Wait."""
-        gate.wait(30)
+        """Wait until released: the timeout is the subject, so the work cannot end before it."""
+        gate.wait()
         return x
 
     async def main():
         assert (await waits.run({"x": 1})).error_kind == "timeout"
         assert waits.still_running == 1
         gate.set()
-        for _ in range(200):
-            if waits.still_running == 0:
-                break
+        guard = time.monotonic() + 600  # only against a hung run: the thread ends once released
+        while waits.still_running and time.monotonic() < guard:
             await asyncio.sleep(0.01)
         assert waits.still_running == 0
         assert (await waits.run({"x": 2})).content == "2"
@@ -87,24 +89,30 @@ def test_a_thread_call_that_ends_late_is_no_longer_counted():
 
 _MODULE = textwrap.dedent('''
     import os, time
+    from pathlib import Path
     from closedloop.tool import tool
 
     @tool(isolation="process", timeout_s=1.0)
-    def spin(marker: str) -> int:
-        """Busy-loop forever, writing a growing counter to marker."""
+    def spin() -> int:
+        """Busy-loop forever: however slowly the process starts, the timeout ends it."""
         n = 0
         while True:
             n += 1
-            if n % 10000 == 0:
-                with open(marker, "w") as f:
-                    f.write(str(n))
 
-    @tool(isolation="process", memory_mb=300)
+    @tool(isolation="process", timeout_s=None)
+    def hold(started: str, release: str) -> int:
+        """Say it started, then wait for the test's release (no timeout: nothing races)."""
+        Path(started).write_text(str(os.getpid()))
+        while not Path(release).exists():
+            time.sleep(0.01)
+        return 0
+
+    @tool(isolation="process", memory_mb=300, timeout_s=None)
     def hog(mb: int) -> int:
         """Allocate mb MiB."""
         return len(bytearray(mb * 2**20))
 
-    @tool(isolation="process")
+    @tool(isolation="process", timeout_s=None)
     def fails(x: int) -> int:
         """Raise."""
         raise ValueError(f"bad x {x}")
@@ -116,20 +124,58 @@ def proc_tools(tmp_path, monkeypatch):
     (tmp_path / "rt_proc_tools.py").write_text(_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CLOSEDLOOP_TEST_MARK", uuid.uuid4().hex)  # sandboxed tools inherit CLOSEDLOOP_*
     import importlib
 
     return importlib.import_module("rt_proc_tools")
 
 
-async def test_process_isolation_kills_the_work_on_timeout(proc_tools, tmp_path):
+def _marked() -> list[int]:
+    """Live processes carrying this test's mark in their environment (sandboxed calls, any depth)."""
+    mark = f"CLOSEDLOOP_TEST_MARK={os.environ['CLOSEDLOOP_TEST_MARK']}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if mark in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return pids
+
+
+async def _until_no_marked_process() -> list[int]:
     import asyncio
 
-    marker = tmp_path / "counter"
-    r = await proc_tools.spin.run({"marker": str(marker)})
+    guard = time.monotonic() + 120  # a killed process is gone in milliseconds; a live one never goes
+    while (left := _marked()) and time.monotonic() < guard:
+        await asyncio.sleep(0.05)
+    return left
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
+async def test_the_process_scan_sees_a_running_sandboxed_call(proc_tools, tmp_path):
+    """The control for the test below: a call that signalled it started is found by the scan."""
+    import asyncio
+
+    started, release = tmp_path / "started", tmp_path / "release"
+    call = asyncio.ensure_future(proc_tools.hold.run({"started": str(started), "release": str(release)}))
+    while not started.exists():
+        await asyncio.sleep(0.01)
+    assert _marked(), "the scan cannot see sandboxed calls: the kill test below would prove nothing"
+    release.touch()
+    assert (await call).content == "0"
+    assert await _until_no_marked_process() == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
+async def test_process_isolation_kills_the_work_on_timeout(proc_tools):
+    """The timeout is the subject and the work never ends: whether the child got as far as the
+    loop or was still starting (at load 16 it may be), nothing of it may outlive the timeout."""
+    r = await proc_tools.spin.run({})
     assert r.error_kind == "timeout" and "killed" in r.error
-    seen = marker.read_text()
-    await asyncio.sleep(0.5)
-    assert marker.read_text() == seen  # the busy loop is gone, not orphaned: the counter stopped
+    assert await _until_no_marked_process() == []
 
 
 async def test_process_isolation_enforces_the_memory_ceiling_and_reports_errors(proc_tools):

@@ -213,9 +213,13 @@ async def test_tools_count_score_judge_and_correlate(registry, tmp_path, monkeyp
         {"notes_path": str(SAMPLE), "hypotheses_path": str(LITERAL)}))).content)
     assert m["n"] == 12 and set(m["bleu_by_type"]) == {"plain+slang", "plain+standard", "symbol+slang", "symbol+standard"}
     # the judge tool builds its client from the spec; serve the scripted gold judge under a spec
-    monkeypatch.setattr("closedloop.models.make_client", lambda spec: gold_judge())
-    j = await registry.call_json("culture_mt_judge", json.dumps(
-        {"notes_path": str(SAMPLE), "hypotheses_path": str(ADAPTED), "judge_model": "openai:gold"}))
+    built = []
+    monkeypatch.setattr("closedloop.models.make_client", lambda spec: built.append(spec) or gold_judge())
+    args = {"notes_path": str(SAMPLE), "hypotheses_path": str(ADAPTED), "judge_model": "openai:gold"}
+    refused = await registry.call_json("culture_mt_judge", json.dumps(args))
+    assert refused.error_kind == "invalid_arguments" and "operator allows" in refused.error and built == []
+    monkeypatch.setenv("CLOSEDLOOP_TOOL_MODELS", "openai:gold")  # an endpoint the operator allows
+    j = await registry.call_json("culture_mt_judge", json.dumps(args))
     assert j.ok, j.error
     jr = json.loads(j.content)
     assert jr["judged"] == 12 and jr["failed"] == 0 and jr["effectiveness_mean"] == 5.0

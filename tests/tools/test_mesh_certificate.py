@@ -141,11 +141,11 @@ def test_sparse_mesh_with_1e5_edges_stays_sparse_and_fast():
     assert len(edges) >= 100_000
     rng = np.random.default_rng(0)
     n0, n1 = perturb(d0, 0.05, rng), perturb(d1, 0.05, rng)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: a loaded machine stretches wall time, not the work done
     before = certificate(n0, n1)
     res = project_compatible(n0, n1, mode="d1", n_probes=4)
     after = certificate(res.d0, res.d1, n_probes=4)
-    assert time.perf_counter() - start < 30
+    assert time.process_time() - start < 30
     assert sp.issparse(res.d0) and res.d1.base.nnz == n1.nnz
     assert before.relative > 1e-4 and after.relative < 1e-12
 

@@ -186,8 +186,8 @@ def test_evaluate_reports_first_stage_and_reranked_metrics(reranker, tmp_path):
 def test_tools_and_clear_errors(tiny_model_path, tmp_path):
     res = call("ziprerank_rerank", {"model": f"hf:{tiny_model_path}", "query": "q", "candidates": DOCS[:3]})
     assert res.ok and sorted(json.loads(res.content)["permutation"]) == [0, 1, 2]
-    assert "not found" in call("ziprerank_rerank", {"model": f"hf:{tmp_path}/nope", "query": "q",
-                                                    "candidates": ["a"]}).error
+    missing = call("ziprerank_rerank", {"model": f"hf:{tmp_path}/nope", "query": "q", "candidates": ["a"]})
+    assert missing.error_kind == "invalid_arguments" and "no checkpoint directory there" in missing.error
     assert "not found" in call("ziprerank_evaluate", {"model": f"hf:{tiny_model_path}",
                                                       "ranking_set": str(tmp_path / "none.jsonl")}).error
     bad = tmp_path / "bad.jsonl"
