@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from closedloop.trainers import preflight
 
 __all__ = ["ConfigError", "LoraSettings", "TrainConfig", "SFTConfig", "StoreSelection", "load_config",
-           "model_path", "REPORT_TO_CHOICES", "config_reference", "parse_store_spec", "check_dataset", "checking_paths",
+           "model_path", "REPORT_TO_CHOICES", "config_reference", "parse_store_spec", "check_dataset", "checking_paths", "dataset_usable",
            "redacted_config"]
 
 REPORT_TO_CHOICES = ("store", "tensorboard", "trackio", "wandb")
@@ -232,6 +232,24 @@ class StoreSelection(_Strict):
     path: str | None = Field(None, description="The store file; null uses the config's `store`.")
 
 
+def check_dataset(dataset: str | StoreSelection | None, store: str | None) -> None:
+    """A dataset file that exists, or a store selection whose store file is a run store."""
+    if isinstance(dataset, StoreSelection):
+        from closedloop.config import default_store_path
+
+        preflight.check_store_file(dataset.path or store or default_store_path(), must_exist=True,
+                                   what="dataset store")
+    elif dataset is not None:
+        preflight.check_dataset_path(dataset)
+
+
+def dataset_usable(value: Any, info: ValidationInfo) -> Any:
+    """The ``dataset`` field validator of every config that has one (with the config's ``store``)."""
+    if checking_paths(info):
+        check_dataset(value, info.data.get("store"))
+    return value
+
+
 class SFTConfig(TrainConfig):
     """Supervised fine-tuning on conversations: loss only on what the assistant wrote."""
 
@@ -268,12 +286,7 @@ class SFTConfig(TrainConfig):
             return os.fspath(value)
         return value
 
-    @field_validator("dataset")
-    @classmethod
-    def _dataset_exists(cls, value: Any, info: ValidationInfo) -> Any:
-        if checking_paths(info):
-            check_dataset(value, info.data.get("store"))
-        return value
+    _dataset_exists = field_validator("dataset")(dataset_usable)
 
     @model_validator(mode="after")
     def _packing_needs_length(self) -> "SFTConfig":
@@ -282,15 +295,6 @@ class SFTConfig(TrainConfig):
         return self
 
 
-def check_dataset(dataset: str | StoreSelection | None, store: str | None) -> None:
-    """A dataset file that exists, or a store selection whose store file is a run store."""
-    if isinstance(dataset, StoreSelection):
-        from closedloop.config import default_store_path
-
-        preflight.check_store_file(dataset.path or store or default_store_path(), must_exist=True,
-                                   what="dataset store")
-    elif dataset is not None:
-        preflight.check_dataset_path(dataset)
 
 
 def parse_store_spec(text: str) -> StoreSelection:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping
 import torch
 from pydantic import Field, ValidationInfo, field_validator
 
-from closedloop.trainers.config import TrainConfig, check_dataset, checking_paths, model_path
+from closedloop.trainers.config import TrainConfig, checking_paths, dataset_usable, model_path
 from closedloop.trainers.preference_data import (PreferenceBatch, PreferenceExample, PreferenceStoreSelection,
                                                  collate_pairs, encode_preference_rows, load_preference_rows,
                                                  parse_preference_store_spec, store_preference_rows)
@@ -74,12 +74,7 @@ class PreferenceConfig(TrainConfig):
             return os.fspath(value)
         return value
 
-    @field_validator("dataset")
-    @classmethod
-    def _dataset_exists(cls, value: Any, info: ValidationInfo) -> Any:
-        if checking_paths(info):
-            check_dataset(value, info.data.get("store"))
-        return value
+    _dataset_exists = field_validator("dataset")(dataset_usable)
 
     @field_validator("ref_model")
     @classmethod
