@@ -2,7 +2,7 @@
 
 import asyncio
 import json
-import threading
+import time
 from typing import Literal
 
 import pytest
@@ -57,36 +57,25 @@ async def test_bad_arguments_come_back_as_errors(args, kind, fragment):
 
 
 async def test_exceptions_and_timeouts_are_reported_and_the_caller_survives():
-    """The work never finishes on its own (it waits on events only the test sets), so however
-    loaded the machine, the timeout is what ends it; the async work is cancelled, not waited for."""
-    cancelled = asyncio.Event()
-    release = threading.Event()
-
     @tool(timeout_s=0.2)
     async def slow(x: int) -> int:
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
+        await asyncio.sleep(5)
         return x
 
     @tool(timeout_s=0.2)
     def slow_sync(x: int) -> int:
-        release.wait()
+        time.sleep(0.6)
         return x
 
     @tool
     def broken(x: int) -> int:
         raise ZeroDivisionError("boom")
 
+    t0 = time.perf_counter()
     r = await slow.run({"x": 1})
     assert r.error_kind == "timeout" and "timed out after 0.2 s" in r.content
-    assert cancelled.is_set()  # the caller got its answer because the work was cancelled
-    try:
-        assert (await slow_sync.run({"x": 1})).error_kind == "timeout"
-    finally:
-        release.set()  # the abandoned thread ends
+    assert time.perf_counter() - t0 < 2
+    assert (await slow_sync.run({"x": 1})).error_kind == "timeout"
     r = await broken.run({"x": 1})
     assert r.error_kind == "exception" and "ZeroDivisionError: boom" in r.content
 
