@@ -81,8 +81,9 @@ def test_killed_cli_run_is_marked_killed(tiny_model_path, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "closedloop", "run", "react", "--model", f"hf:{tiny_model_path}",
                              "--store", str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=ENV)
-    deadline = time.time() + 60
-    while time.time() < deadline:  # wait until the run is in the store, then kill the process
+    deadline = time.monotonic() + 600  # only ends a hung test: the wait is for the run, however slow the start
+    while proc.poll() is None:  # until the run is in the store, then kill the process
+        assert time.monotonic() < deadline, "the run never reached the store"
         if db.exists():
             try:
                 if RunStore(db, lock_timeout_s=1).list_runs():
@@ -90,6 +91,7 @@ def test_killed_cli_run_is_marked_killed(tiny_model_path, tmp_path):
             except Exception:
                 pass
         time.sleep(0.3)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
     proc.kill()
     proc.wait()
     [summary] = RunStore(db).list_runs()

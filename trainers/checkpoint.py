@@ -262,7 +262,7 @@ def save_checkpoint(output_dir: str | os.PathLike[str], state: TrainerState, *, 
     saves its RNG state; the main process writes the rest and renames). Returns the final path.
 
     An existing checkpoint of the same step is replaced. ``config`` (a pydantic model or dict) is
-    saved as ``train_config.json`` for the record.
+    saved as ``train_config.json`` for the record, with credentials redacted.
     """
     import torch
 
@@ -282,9 +282,10 @@ def save_checkpoint(output_dir: str | os.PathLike[str], state: TrainerState, *, 
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         if scheduler is not None:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        if config is not None:
-            cfg = config.model_dump(mode="json") if hasattr(config, "model_dump") else config
-            (tmp / "train_config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        if config is not None:  # credentials redacted: a checkpoint is copied and shared
+            from closedloop.trainers.config import redacted_config
+
+            (tmp / "train_config.json").write_text(json.dumps(redacted_config(config), indent=2, default=str))
     _barrier(accelerator)
     if main:
         (tmp / STATE_FILE).write_text(state.model_dump_json(indent=2))  # last: marks the checkpoint complete

@@ -12,13 +12,48 @@ split across micro-batches and processes.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
 from closedloop.trainers.config import TrainConfig
 
 __all__ = ["make_accelerator", "load_model_and_tokenizer", "apply_lora", "build_optimizer", "build_scheduler",
-           "open_run", "pad_token_id"]
+           "open_run", "pad_token_id", "TrainingDivergedError", "stop_if_diverged", "steps_logged"]
+
+
+class TrainingDivergedError(RuntimeError):
+    """The loss or the gradient norm of a step is NaN or infinite. The step is not applied and
+    nothing is saved from it: the weights and every checkpoint stay finite."""
+
+
+def stop_if_diverged(step: int | None, accelerator: Any = None, **values: Any) -> None:
+    """Raise :class:`TrainingDivergedError` when a value (a float or a tensor) is not finite; call it
+    just before ``optimizer.step()``. With an accelerator running several processes the verdict is
+    agreed on (one all-reduce), so all of them stop at the same step instead of some waiting forever
+    in the next collective."""
+    bad = {k: float(v) for k, v in values.items() if not math.isfinite(float(v))}
+    elsewhere = False
+    if accelerator is not None and accelerator.num_processes > 1:
+        import torch
+
+        flag = torch.tensor([1.0 if bad else 0.0], device=accelerator.device)
+        elsewhere = float(accelerator.reduce(flag, reduction="sum").item()) > 0 and not bad
+    if bad or elsewhere:
+        what = ", ".join(f"{k}={v}" for k, v in bad.items()) if bad else "a non-finite value on another process"
+        at = f" at step {step}" if step is not None else ""
+        raise TrainingDivergedError(f"training diverged{at}: {what}; the step was not applied and "
+                                    f"nothing was saved from it (lower learning_rate, set max_grad_norm, or check "
+                                    f"the data)")
+
+
+def steps_logged(store: Any, run_id: str | None) -> int:
+    """The last step the store holds metrics for in ``run_id`` (0: none). A run resumed from a
+    checkpoint older than its last logged step replays the steps in between; their metrics are
+    already recorded and must not be logged twice."""
+    if store is None or run_id is None:
+        return 0
+    return max((int(row["step"]) for row in store.metrics(run_id)), default=0)
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 

@@ -13,10 +13,13 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Mapping, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from closedloop.trainers import preflight
 
 __all__ = ["ConfigError", "LoraSettings", "TrainConfig", "SFTConfig", "StoreSelection", "load_config",
-           "model_path", "REPORT_TO_CHOICES", "config_reference", "parse_store_spec"]
+           "model_path", "REPORT_TO_CHOICES", "config_reference", "parse_store_spec", "check_dataset", "checking_paths", "dataset_usable",
+           "redacted_config"]
 
 REPORT_TO_CHOICES = ("store", "tensorboard", "trackio", "wandb")
 
@@ -26,7 +29,15 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `learning_rate=.inf` (YAML's infinity) would train a NaN model to the end.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def checking_paths(info: ValidationInfo) -> bool:
+    """Paths are checked only when asked (``load_config(..., check_paths=True)``,
+    :meth:`TrainConfig.check_paths`): a config can be written, printed and tested on a machine that
+    does not have its files."""
+    return bool(info.context and info.context.get("check_paths"))
 
 
 class LoraSettings(_Strict):
@@ -137,17 +148,70 @@ class TrainConfig(_Strict):
 
     @field_validator("model")
     @classmethod
-    def _model_spec(cls, value: str) -> str:
+    def _model_spec(cls, value: str, info: ValidationInfo) -> str:
         if value.startswith(("openai:", "vllm:")):
             raise ValueError(f"model {value!r}: trainers need local weights; give a directory, hub id or hf:PATH")
         if not model_path(value):
             raise ValueError("model: empty path")
+        if checking_paths(info) and not (info.context or {}).get("model_given"):
+            preflight.check_model_dir(model_path(value))
         return value
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir_writable(cls, value: str, info: ValidationInfo) -> str:
+        if not value:
+            raise ValueError("output_dir: empty path")
+        if checking_paths(info):
+            preflight.check_output_dir(value)
+        return value
+
+    @field_validator("resume")
+    @classmethod
+    def _resume_exists(cls, value: bool | str, info: ValidationInfo) -> bool | str:
+        if checking_paths(info) and "output_dir" in info.data:
+            preflight.check_resume(value, info.data["output_dir"])
+        return value
+
+    @field_validator("report_to")
+    @classmethod
+    def _sinks_installed(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        if checking_paths(info):
+            preflight.check_sinks(value)
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _store_file(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and checking_paths(info):
+            preflight.check_store_file(value, must_exist=False)
+        return value
+
+    def check_paths(self, *, model_given: bool = False) -> None:
+        """Validate again with every path and sink checked (see :mod:`closedloop.trainers.preflight`);
+        raises :class:`ConfigError`. Trainers call it before any work; ``model_given``: the caller
+        passed the model and tokenizer objects, so ``model`` need not name a loadable directory."""
+        try:
+            type(self).model_validate(self.model_dump(), context={"check_paths": True, "model_given": model_given})
+        except ValidationError as e:
+            raise ConfigError(_format_validation(e, type(self))) from e
 
     @property
     def model_path(self) -> str:
         """The checkpoint path or hub id with any ``hf:`` prefix removed."""
         return model_path(self.model)
+
+
+def redacted_config(config: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
+    """A config as JSON-able values with credentials redacted, by the run store's rules
+    (:mod:`closedloop.store.redact`: sensitive keys, URL userinfo, key shapes). Everything a trainer
+    writes outside the store goes through it: ``train_config.json`` of each checkpoint, the config
+    shown in TensorBoard, W&B and trackio. (A ``rollout_model`` of ``openai:m@http://user:key@host``
+    or an ``env_options`` holding an ``api_key`` would otherwise land there verbatim.)"""
+    from closedloop.store.redact import redact
+
+    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
+    return dict(redact(data))
 
 
 def model_path(spec: str) -> str:
@@ -166,6 +230,24 @@ class StoreSelection(_Strict):
                                                         "episodes are rarely what one imitates).")
     limit: int | None = Field(None, ge=1, description="At most this many trajectories.")
     path: str | None = Field(None, description="The store file; null uses the config's `store`.")
+
+
+def check_dataset(dataset: str | StoreSelection | None, store: str | None) -> None:
+    """A dataset file that exists, or a store selection whose store file is a run store."""
+    if isinstance(dataset, StoreSelection):
+        from closedloop.config import default_store_path
+
+        preflight.check_store_file(dataset.path or store or default_store_path(), must_exist=True,
+                                   what="dataset store")
+    elif dataset is not None:
+        preflight.check_dataset_path(dataset)
+
+
+def dataset_usable(value: Any, info: ValidationInfo) -> Any:
+    """The ``dataset`` field validator of every config that has one (with the config's ``store``)."""
+    if checking_paths(info):
+        check_dataset(value, info.data.get("store"))
+    return value
 
 
 class SFTConfig(TrainConfig):
@@ -204,11 +286,15 @@ class SFTConfig(TrainConfig):
             return os.fspath(value)
         return value
 
+    _dataset_exists = field_validator("dataset")(dataset_usable)
+
     @model_validator(mode="after")
     def _packing_needs_length(self) -> "SFTConfig":
         if self.packing and self.max_length is None:
             raise ValueError("packing needs max_length (the length of each packed row)")
         return self
+
+
 
 
 def parse_store_spec(text: str) -> StoreSelection:
@@ -300,20 +386,26 @@ def _set_dotted(data: dict[str, Any], cls: type[BaseModel], key: str, value: Any
 
 
 def _format_validation(err: ValidationError, cls: type[BaseModel]) -> str:
+    """One line for one problem (the common case), one line per problem otherwise."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
-        lines.append(f"  {loc or '(root)'}: {e['msg']}")
-    return f"invalid {cls.__name__}:\n" + "\n".join(lines)
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc or '(root)'}: {msg}")
+    if len(lines) == 1:
+        return f"invalid {cls.__name__}: {lines[0]}"
+    return f"invalid {cls.__name__}:\n" + "\n".join("  " + line for line in lines)
 
 
 def load_config(cls: type[C], path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None,
-                **values: Any) -> C:
+                *, check_paths: bool = False, **values: Any) -> C:
     """A config from a YAML file, then ``key=value`` overrides, then keyword values.
 
     Override keys may be dotted (``lora.r=8``); values are parsed as YAML scalars or flow
     collections (``report_to=[store,tensorboard]``, ``max_steps=null``). Unknown keys raise
     :class:`ConfigError` naming the valid ones; invalid values raise it with pydantic's reasons.
+    ``check_paths``: also check that the model, output directory, checkpoint, store, dataset and
+    metric sinks are usable (:mod:`closedloop.trainers.preflight`), as ``closedloop train`` does.
     """
     import yaml
 
@@ -344,7 +436,7 @@ def load_config(cls: type[C], path: str | os.PathLike[str] | None = None, overri
     for key, value in values.items():
         _set_dotted(data, cls, key, value)
     try:
-        return cls.model_validate(data)
+        return cls.model_validate(data, context={"check_paths": check_paths})
     except ValidationError as e:
         raise ConfigError(_format_validation(e, cls)) from e
 

@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Mapping
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
-from closedloop.trainers.config import TrainConfig
+from closedloop.trainers.config import TrainConfig, checking_paths, dataset_usable, model_path
 from closedloop.trainers.preference_data import (PreferenceBatch, PreferenceExample, PreferenceStoreSelection,
                                                  collate_pairs, encode_preference_rows, load_preference_rows,
                                                  parse_preference_store_spec, store_preference_rows)
 from closedloop.trainers.preference_loss import dpo_losses, preference_metrics
+from closedloop.trainers.preflight import check_model_dir
 
 __all__ = ["CONFIG_CLASS", "PreferenceConfig", "DPOConfig", "PreferenceResult", "train_dpo", "train_preference",
            "run_from_config", "build_pairs", "pair_logps", "policy_margins"]
@@ -71,6 +72,15 @@ class PreferenceConfig(TrainConfig):
             return parse_preference_store_spec(value)
         if isinstance(value, os.PathLike):
             return os.fspath(value)
+        return value
+
+    _dataset_exists = field_validator("dataset")(dataset_usable)
+
+    @field_validator("ref_model")
+    @classmethod
+    def _ref_model_exists(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and checking_paths(info):
+            check_model_dir(model_path(value), what="ref_model")
         return value
 
     def pair_losses(self, logps: torch.Tensor, ref_logps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -172,8 +182,6 @@ def _reference(config: PreferenceConfig, policy: Any, resumed: bool, device: Any
     if config.ref_model is not None or resumed:
         from transformers import AutoModelForCausalLM
 
-        from closedloop.trainers.config import model_path
-
         path = model_path(config.ref_model) if config.ref_model else config.model_path
         dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
         if config.lora is not None and not config.ref_model:
@@ -209,6 +217,7 @@ def train_preference(config: PreferenceConfig, rows: Iterable[dict[str, Any]] | 
     from closedloop.trainers.session import TrainingSession
     from closedloop.trainers.sft import DataSchedule
 
+    config.check_paths(model_given=model is not None and tokenizer is not None)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     if tokenizer is None:
@@ -252,6 +261,7 @@ def train_preference(config: PreferenceConfig, rows: Iterable[dict[str, Any]] | 
     history: list[dict[str, float]] = []
     metrics: dict[str, float] = {}
     status, interrupted = "failed", False
+    error: Exception | None = None
     try:
         with InterruptGuard() as guard:
             policy.train()
@@ -285,7 +295,7 @@ def train_preference(config: PreferenceConfig, rows: Iterable[dict[str, Any]] | 
                     tot = accel.reduce(torch.tensor([sums[k] for k in keys] + [float(n_tokens)], device=device,
                                                     dtype=torch.float64), reduction="sum")
                     sums, n_tokens = {k: float(v) for k, v in zip(keys, tot[:-1])}, int(tot[-1])
-                grad_norm = session.clip_gradients()
+                grad_norm = session.clip_gradients(step + 1, loss=sums.get("loss", 0.0))
                 lr_now = session.current_lr()
                 session.optimizer.step()
                 session.scheduler.step()
@@ -307,8 +317,11 @@ def train_preference(config: PreferenceConfig, rows: Iterable[dict[str, Any]] | 
         if not interrupted:
             session.save_final()
         status = "interrupted" if interrupted else "completed"
+    except Exception as e:
+        error = e
+        raise
     finally:
-        session.finish(status)
+        session.finish(status, error=error)
     return PreferenceResult(Path(config.output_dir), session.run_id, session.step, metrics, history, interrupted,
                             n_pairs=len(pairs))
 

@@ -33,12 +33,13 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 from pydantic import Field
 
 from closedloop.models.base import SamplingParams
+from closedloop.trainers.common import stop_if_diverged
 from closedloop.trainers.config import TrainConfig
 from closedloop.trainers.constrained import ConstraintSet, CostConstraint
 from closedloop.trainers.grpo_batch import RewardSpec, RolloutBatch, build_batch, load_reward_fn
@@ -46,6 +47,9 @@ from closedloop.trainers.losses import LOSS_TYPES, entropy_from_logits, gather_l
     importance_sampling_weights
 from closedloop.trainers.rollout import EnvFactory, GraphPolicy, Group, collect_groups
 from closedloop.trainers.rollout_thread import RolloutThread
+
+if TYPE_CHECKING:
+    from closedloop.trainers.session import TrainingSession
 
 
 class GRPOConfig(TrainConfig):
@@ -199,7 +203,8 @@ def sequence_logprobs(model: Any, batch: RolloutBatch, temperature: float, micro
 
 def grpo_update(model: Any, optimizer: Any, scheduler: Any, batch: RolloutBatch, config: GRPOConfig, *,
                 old_logps: torch.Tensor, ref_logps: torch.Tensor | None, is_weights: torch.Tensor | None,
-                backward: Callable[[torch.Tensor], None], clip: Callable[[], float]) -> dict[str, float]:
+                backward: Callable[[torch.Tensor], None], clip: Callable[[], float],
+                step: int | None = None) -> dict[str, float]:
     """One optimisation pass over the rollout batch (one optimizer step), micro-batched.
 
     Micro-batch losses are weighted by their row fraction for grpo/bnpo/dr_grpo (TRL's
@@ -208,6 +213,10 @@ def grpo_update(model: Any, optimizer: Any, scheduler: Any, batch: RolloutBatch,
     ``num_items_in_batch`` (exactly the whole-batch loss). Dr. GRPO's constant normaliser ("max completion
     length") is, for multi-turn episodes, the most tokens an episode can generate:
     ``max_env_steps * max_new_tokens``.
+
+    A NaN or infinite loss or gradient norm raises :class:`~closedloop.trainers.common.TrainingDivergedError`
+    (``step`` names the step in it) before the optimizer applies the update. The norm is of the
+    gradients all processes share, so under DDP all of them stop together.
     """
     micro = config.per_device_batch_size
     total_tokens = float(batch.loss_mask.sum())
@@ -235,6 +244,7 @@ def grpo_update(model: Any, optimizer: Any, scheduler: Any, batch: RolloutBatch,
             if k != "num_tokens":
                 sums[k] = sums.get(k, 0.0) + float(v) * w
     sums["grad_norm"] = clip()
+    stop_if_diverged(step, loss=sums.get("loss", 0.0), grad_norm=sums["grad_norm"])
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
@@ -291,13 +301,28 @@ def make_env_factory(name: str, options: dict[str, Any]) -> EnvFactory:
 def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, make_env: EnvFactory | None = None,
                on_step: Callable[[int, dict[str, float]], None] | None = None) -> GRPOResult:
     """Run GRPO as configured; returns where the model went and the metric history."""
-    from closedloop.models.hf import HFClient
     from closedloop.trainers.session import TrainingSession
 
+    config.check_paths(model_given=model is not None and tokenizer is not None)
+    make_env = make_env or make_env_factory(config.env, config.env_options)  # a bad name fails before any loading
     session = TrainingSession(config, kind="grpo", model=model, tokenizer=tokenizer)
+    try:
+        return _train(session, config, make_env, on_step)
+    except KeyboardInterrupt:
+        session.finish("interrupted")
+        raise
+    except Exception as e:  # recorded on the store run, which would otherwise stay "running" and read as killed
+        session.finish("failed", error=e)
+        raise
+
+
+def _train(session: TrainingSession, config: GRPOConfig, make_env: EnvFactory,
+           on_step: Callable[[int, dict[str, float]], None] | None) -> GRPOResult:
+    """The loop of :func:`train_grpo` on an open session."""
+    from closedloop.models.hf import HFClient
+
     accel, policy = session.accelerator, session.model
     unwrapped = accel.unwrap_model(policy)
-    make_env = make_env or make_env_factory(config.env, config.env_options)
     if config.rollout_model:
         from closedloop.trainers.weight_sync import make_rollout_client
 
@@ -409,7 +434,7 @@ def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, 
                 for _ in range(config.num_iterations):
                     m = grpo_update(policy, session.optimizer, session.scheduler, batch, config, old_logps=old,
                                     ref_logps=ref, is_weights=is_weights, backward=accel.backward,
-                                    clip=session.clip_gradients)
+                                    clip=session.clip_gradients, step=step + 1)
                 t_train = time.perf_counter() - t1
                 sync.push(unwrapped, step + 1)
                 unwrapped.eval()

@@ -58,6 +58,9 @@ class MetricsReporter:
     the run the metrics belong to. ``log_dir``: TensorBoard's event directory.
     ``is_main_process``: False on DDP ranks other than 0, which then report nothing.
     ``progress``: show a rich progress bar (call :meth:`start` with the total steps).
+    ``replayed_through``: a resumed run's steps up to this one were already reported by the attempt
+    that was stopped (it logged past its last checkpoint); when they are trained again they go to
+    :attr:`history` and the terminal but not to the sinks, which hold each step once.
 
     The store sink calls ``RunStore.log_metrics(run_id, step, metrics)``. Until the store provides
     that method, metrics for the store are kept in :attr:`history` only and a warning says so.
@@ -66,7 +69,8 @@ class MetricsReporter:
     def __init__(self, report_to: Iterable[str] | str | None = ("store",), run_id: str | None = None,
                  store: Any = None, log_dir: str | os.PathLike[str] | None = None, *, run_name: str | None = None,
                  config: Mapping[str, Any] | None = None, tags: Iterable[str] = (), project: str | None = None,
-                 is_main_process: bool = True, progress: bool = True, console: Any = None) -> None:
+                 is_main_process: bool = True, progress: bool = True, console: Any = None,
+                 replayed_through: int = 0) -> None:
         if report_to is None or report_to == "none":
             names: list[str] = []
         elif isinstance(report_to, str):
@@ -82,6 +86,7 @@ class MetricsReporter:
         self.run_id = run_id
         self.run_name = run_name
         self.is_main_process = is_main_process
+        self.replayed_through = replayed_through
         #: Every ``(step, metrics)`` logged, in order (kept on every process; cheap and handy for results).
         self.history: list[tuple[int, dict[str, float]]] = []
         self._store = None
@@ -189,6 +194,15 @@ class MetricsReporter:
         self.history.append((int(step), clean))
         if not self.is_main_process or self._closed:
             return clean
+        if int(step) > self.replayed_through:
+            self._to_sinks(int(step), clean)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=int(step),
+                                  metrics=format_metrics(clean, [k for k in ("loss", "reward") if k in clean]))
+            self._progress.console.print(f"step {step}: {format_metrics(clean)}", highlight=False)
+        return clean
+
+    def _to_sinks(self, step: int, clean: dict[str, float]) -> None:
         if self._store is not None and hasattr(self._store, "log_metrics"):
             self._store.log_metrics(self.run_id, int(step), {k: v for k, v in clean.items() if math.isfinite(v)})
         if self._tb is not None:
@@ -198,11 +212,6 @@ class MetricsReporter:
             self._wandb.log(clean, step=int(step))
         if self._trackio is not None:
             self._trackio.log(clean, step=int(step))
-        if self._progress is not None:
-            self._progress.update(self._task, completed=int(step),
-                                  metrics=format_metrics(clean, [k for k in ("loss", "reward") if k in clean]))
-            self._progress.console.print(f"step {step}: {format_metrics(clean)}", highlight=False)
-        return clean
 
     def close(self) -> None:
         """Flush and close every sink (idempotent)."""

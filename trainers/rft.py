@@ -319,6 +319,7 @@ def run_rft(config: RFTConfig, *, log: Callable[[str], None] | None = None) -> R
 
     console = Console()
     say = log or console.print
+    config.check_paths()
     if config.torch_threads:
         import torch
 
@@ -348,6 +349,7 @@ def run_rft(config: RFTConfig, *, log: Callable[[str], None] | None = None) -> R
             store.log_metrics(run_id, len(rows) - 1, {f"score/{c}": s for c, s in zip(cols, row)})
 
     status = "failed"
+    error: Exception | None = None
     try:
         model = config.model_path
         if config.evaluate_base:
@@ -373,6 +375,9 @@ def run_rft(config: RFTConfig, *, log: Callable[[str], None] | None = None) -> R
                 trained_at[e.key] = len(rows) - 1
         else:
             status = "completed"
+    except Exception as e:
+        error = e
+        raise
     finally:
         matrix = EvalMatrix(rows, cols, scores, {c: i for c, i in trained_at.items() if c in cols},
                             0 if config.evaluate_base else None)
@@ -391,7 +396,7 @@ def run_rft(config: RFTConfig, *, log: Callable[[str], None] | None = None) -> R
                     final.update({f"transfer/{c}": v for c, v in matrix.transfer().items()})
                 if final:
                     store.log_metrics(run_id, last, final)
-            store.finish_run(run_id, status, outcome={"matrix": matrix.as_dict()} if rows else None)
+            store.finish_run(run_id, status, outcome={"matrix": matrix.as_dict()} if rows else None, error=error)
     return RFTResult(out, run_id, matrix, stages, plot, status)
 
 

@@ -16,8 +16,8 @@ import torch
 
 from closedloop.messages import Trajectory
 from closedloop.trainers.common import build_optimizer, build_scheduler, load_model_and_tokenizer, make_accelerator, \
-    open_run
-from closedloop.trainers.config import TrainConfig
+    open_run, steps_logged, stop_if_diverged
+from closedloop.trainers.config import TrainConfig, redacted_config
 
 
 class TrainingSession:
@@ -46,6 +46,7 @@ class TrainingSession:
         self.run_id: str | None = None
         self.store = None
         self.resumed_state = None
+        self._finished = False
         self._resume()
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -53,11 +54,17 @@ class TrainingSession:
         self.store, self.run_id = open_run(config, kind, self.accelerator, run_id=previous)
         from closedloop.trainers.reporting import MetricsReporter, tensorboard_dir
 
-        self.reporter = MetricsReporter(
-            config.report_to, run_id=self.run_id, store=self.store,
-            log_dir=tensorboard_dir(config.output_dir, config.run_name) if "tensorboard" in config.report_to else None,
-            run_name=config.run_name or self.output_dir.name, config=config.model_dump(mode="json"),
-            tags=config.tags, is_main_process=self.is_main, progress=True)
+        try:
+            self.reporter = MetricsReporter(
+                config.report_to, run_id=self.run_id, store=self.store,
+                log_dir=tensorboard_dir(config.output_dir, config.run_name) if "tensorboard" in config.report_to
+                else None, run_name=config.run_name or self.output_dir.name, config=redacted_config(config),
+                tags=config.tags, is_main_process=self.is_main, progress=True,
+                replayed_through=steps_logged(self.store, self.run_id) if previous else 0)
+        except Exception as e:  # the run is open in the store: record why it ended, not leave it "running"
+            if self.store is not None and self.run_id is not None:
+                self.store.finish_run(self.run_id, "failed", error=e)
+            raise
         self.reporter.start(config.max_steps, description=kind, completed=self.start_step)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -87,13 +94,20 @@ class TrainingSession:
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def clip_gradients(self) -> float:
+    def clip_gradients(self, step: int | None = None, loss: float = 0.0) -> float:
+        """Clip the gradients (``max_grad_norm``) and return their norm. With ``step``, a NaN or
+        infinite norm or ``loss`` stops the run before the optimizer applies the step
+        (:class:`~closedloop.trainers.common.TrainingDivergedError`)."""
         max_norm = self.config.max_grad_norm
         params = [p for p in self.model.parameters() if p.requires_grad]
         if max_norm is None or max_norm <= 0:
             norms = [p.grad.detach().norm() for p in params if p.grad is not None]
-            return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-        return float(self.accelerator.clip_grad_norm_(params, max_norm))
+            norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+        else:
+            norm = float(self.accelerator.clip_grad_norm_(params, max_norm))
+        if step is not None:
+            stop_if_diverged(step, self.accelerator, loss=loss, grad_norm=norm)
+        return norm
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -131,12 +145,17 @@ class TrainingSession:
         ckpt.save_final_model(self.model, self.tokenizer, self.output_dir, accelerator=self.accelerator)
         return self.output_dir
 
-    def finish(self, status: str = "completed") -> None:
+    def finish(self, status: str = "completed", error: BaseException | None = None) -> None:
+        """Close the sinks and the store run, with ``error`` (what stopped a failed run) recorded.
+        Only the first call counts (a failure while finishing is not recorded over the outcome)."""
+        if self._finished:
+            return
+        self._finished = True
         self.reporter.close()
         if self.store is not None and self.run_id is not None:
             last = self.reporter.history[-1][1] if self.reporter.history else {}
             self.store.finish_run(self.run_id, status, outcome={"steps": self.step, "final_metrics": last,
-                                                                "output_dir": str(self.output_dir)})
+                                                                "output_dir": str(self.output_dir)}, error=error)
 
 
 __all__ = ["TrainingSession"]

@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable
 from closedloop.trainers.checkpoint import (InterruptGuard, TrainerState, load_checkpoint, resolve_resume,
                                             save_checkpoint, save_final_model)
 from closedloop.trainers.common import (build_optimizer, build_scheduler, load_model_and_tokenizer, make_accelerator,
-                                        open_run, pad_token_id)
-from closedloop.trainers.config import SFTConfig, StoreSelection
+                                        open_run, pad_token_id, steps_logged, stop_if_diverged)
+from closedloop.trainers.config import SFTConfig, StoreSelection, redacted_config
 from closedloop.trainers.data import (Example, collate, examples_from_rows, examples_from_trajectories, load_chat_rows,
                                       load_store_trajectories, pack_examples, split_eval, truncate)
 from closedloop.trainers.reporting import MetricsReporter, tensorboard_dir
@@ -125,6 +125,7 @@ def train_sft(config: SFTConfig, trajectories: Iterable[Any] | None = None, *, m
 
     from closedloop.trainers.losses import sft_loss
 
+    config.check_paths(model_given=model is not None and tokenizer is not None)
     accelerator = make_accelerator(config)
     set_seed(config.seed)
     model, tokenizer = load_model_and_tokenizer(config, model, tokenizer)
@@ -160,14 +161,7 @@ def train_sft(config: SFTConfig, trajectories: Iterable[Any] | None = None, *, m
     store, run_id = open_run(config, "sft", accelerator, run_id=state.run_id,
                              metadata={"n_examples": n_examples, "n_rows": len(rows), "world_size": world})
     state.run_id = run_id if accelerator.is_main_process else state.run_id
-    reporter = MetricsReporter(config.report_to, run_id=run_id, store=store,
-                               log_dir=tensorboard_dir(output_dir, config.run_name),
-                               run_name=config.run_name or output_dir.name, config=config.model_dump(mode="json"),
-                               tags=config.tags, is_main_process=accelerator.is_main_process)
-    if resume_from is not None:
-        reporter.print(f"resumed from {resume_from} at step {state.step}")
-    if dropped:
-        reporter.print(f"dropped {dropped} example(s) with no assistant token within max_length")
+    reporter: MetricsReporter | None = None
 
     def save(step_state: TrainerState) -> Path:
         return save_checkpoint(output_dir, step_state, model=model, tokenizer=tokenizer, optimizer=optimizer,
@@ -176,13 +170,23 @@ def train_sft(config: SFTConfig, trajectories: Iterable[Any] | None = None, *, m
 
     device = accelerator.device
     window = torch.zeros(6, dtype=torch.float64, device=device)  # loss, correct, entropy·n, trained, tokens, steps
-    window_start = time.perf_counter()
     last_metrics: dict[str, float] = dict(state.metrics)
     interrupted = False
     last_ckpt: Path | None = None
     status = "failed"
-    reporter.start(total_steps, "sft", completed=state.step)
-    try:
+    error: Exception | None = None
+    try:  # from here on the store run is open: whatever happens is recorded on it
+        reporter = MetricsReporter(config.report_to, run_id=run_id, store=store,
+                                   log_dir=tensorboard_dir(output_dir, config.run_name),
+                                   run_name=config.run_name or output_dir.name, config=redacted_config(config),
+                                   tags=config.tags, is_main_process=accelerator.is_main_process,
+                                   replayed_through=steps_logged(store, run_id) if resume_from is not None else 0)
+        if resume_from is not None:
+            reporter.print(f"resumed from {resume_from} at step {state.step}")
+        if dropped:
+            reporter.print(f"dropped {dropped} example(s) with no assistant token within max_length")
+        window_start = time.perf_counter()
+        reporter.start(total_steps, "sft", completed=state.step)
         with InterruptGuard() as guard:
             model.train()
             while state.step < total_steps:
@@ -190,6 +194,7 @@ def train_sft(config: SFTConfig, trajectories: Iterable[Any] | None = None, *, m
                 micro = [[rows[i] for i in idx[(a * world + rank) * per_dev:(a * world + rank + 1) * per_dev]]
                          for a in range(accum)]
                 n_global = sum(rows[i].n_trained for i in idx)
+                step_loss = torch.zeros((), dtype=torch.float64, device=device)
                 for a, exs in enumerate(micro):
                     batch = collate(exs, pad_id).to(device)
                     sync = a == accum - 1
@@ -199,6 +204,7 @@ def train_sft(config: SFTConfig, trajectories: Iterable[Any] | None = None, *, m
                         loss, m = sft_loss(logits.float(), batch.input_ids, batch.loss_mask,
                                            num_items_in_batch=n_global)
                     accelerator.backward(loss * world)
+                    step_loss += loss.detach().double()
                     n = m["num_tokens"].double()
                     window += torch.stack([loss.detach().double(), m["mean_token_accuracy"].double() * n,
                                            m["entropy"].double() * n, n,
@@ -206,6 +212,7 @@ def train_sft(config: SFTConfig, trajectories: Iterable[Any] | None = None, *, m
                                            torch.tensor(0.0, dtype=torch.float64, device=device)])
                 clip = config.max_grad_norm if config.max_grad_norm and config.max_grad_norm > 0 else float("inf")
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip)
+                stop_if_diverged(state.step + 1, accelerator, loss=step_loss, grad_norm=grad_norm)
                 lr = scheduler.get_last_lr()[0]
                 optimizer.step()
                 scheduler.step()
@@ -254,14 +261,19 @@ def train_sft(config: SFTConfig, trajectories: Iterable[Any] | None = None, *, m
     except KeyboardInterrupt:
         status = "interrupted"
         raise
+    except Exception as e:
+        error = e
+        raise
     finally:
-        reporter.close()
+        if reporter is not None:
+            reporter.close()
         if store is not None and run_id is not None:
             try:
                 store.finish_run(run_id, status, outcome={"step": state.step, "metrics": last_metrics,
-                                                          "output_dir": str(output_dir)})
+                                                          "output_dir": str(output_dir)}, error=error)
             except Exception:  # never mask the training error with a bookkeeping one
                 pass
+    assert reporter is not None  # set first thing in the try, which completed
     return SFTResult(output_dir=output_dir, run_id=run_id, step=state.step, metrics=last_metrics,
                      interrupted=interrupted, checkpoint=last_ckpt, history=reporter.history,
                      n_train=n_examples, n_eval=len(eval_ex))

@@ -20,6 +20,7 @@ import uuid
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.prompt import Prompt
 
@@ -70,7 +71,18 @@ async def _run(args: argparse.Namespace) -> int:
     factory = plugins.load("closedloop.graphs", args.graph)
     check_factory(factory, args.graph)
     tools = plugins.tool_registry([m for m in args.tools.split(",") if m]) if args.tools else None
-    client = make_client(args.model)
+    import duckdb
+
+    from closedloop.models.base import ModelError
+    from closedloop.store.redact import redact_text
+
+    try:  # the store first (cheap), then the model (may load weights): each problem as one line
+        store = _open_store(args)
+        client = make_client(args.model)
+    except (ValueError, OSError, ModelError, duckdb.Error) as e:
+        text = " ".join(redact_text(f"{type(e).__name__}: {e}").split())
+        console.print(f"[red]error:[/red] {escape(text)}", highlight=False, soft_wrap=True)
+        return 2
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     options: dict[str, Any] = dict(params=params, max_turns=args.max_turns, approve=_approve_option(args.approve),
                                    stream_tokens=not args.no_stream)
@@ -80,7 +92,7 @@ async def _run(args: argparse.Namespace) -> int:
         console.print("[yellow]--thread without --checkpoint: nothing to resume from (in-memory thread)[/yellow]")
     thread = args.thread or uuid.uuid4().hex
     config = {"configurable": {"thread_id": thread}}
-    store, run_id = _open_run(args, thread)
+    run_id = _start_run(store, args, thread) if store else None
     status, outcome, error = "failed", {}, None
     try:
         saver_cm = make_checkpointer("sqlite", args.checkpoint) if args.checkpoint else None
@@ -114,8 +126,6 @@ async def _run(args: argparse.Namespace) -> int:
         status = "interrupted"
         raise
     except Exception as e:
-        from closedloop.store.redact import redact_text
-
         error = redact_text(f"{type(e).__name__}: {e}")  # a spec's URL key must not reach the terminal
         console.print(f"[red]error:[/red] {error}")
         return 1
@@ -152,16 +162,22 @@ async def _resume(graph: Any, config: dict, recorder: Any, text: str | None) -> 
     return result
 
 
-def _open_run(args: argparse.Namespace, thread: str):
+def _open_store(args: argparse.Namespace) -> Any:
+    """The run store (None with ``--no-store``), opened before the model so a bad ``--store`` fails
+    before any weights load."""
     if args.no_store:
-        return None, None
+        return None
     from closedloop.store import RunStore
 
     store = RunStore(args.store) if args.store else RunStore()
+    store.list_runs(limit=1)  # a file DuckDB opens that is not a run store fails here, not after the model loads
+    return store
+
+
+def _start_run(store: Any, args: argparse.Namespace, thread: str) -> str:
     config = {k: v for k, v in vars(args).items() if k not in {"func", "input"}}
-    run_id = store.start_run(kind="run", graph=args.graph, model_spec=args.model, config=config,
-                             metadata={"thread_id": thread})
-    return store, run_id
+    return store.start_run(kind="run", graph=args.graph, model_spec=args.model, config=config,
+                           metadata={"thread_id": thread})
 
 
 def _ask(request: dict) -> dict | None:

@@ -5,6 +5,13 @@ and ``run_from_config(config)``. Nothing under ``closedloop.trainers`` is import
 training is asked for, so the rest of the CLI never pays for torch, accelerate or peft (and the
 core keeps not importing trainers). Bad input (unknown trainer, unknown key, invalid value)
 exits with code 2; a Ctrl-C that saved a checkpoint exits with 130.
+
+Everything the run will touch is checked before a model loads, each problem as one ``error:`` line:
+the config's values (finite numbers), the model directory, the output directory (by writing a probe
+there), the checkpoint to resume, the metric sinks' packages, the dataset and the run store, which
+is opened here (so a file that is not a store, a locked or too new one, fails now, not after the
+model is loaded). A run whose loss turns NaN or infinite stops with exit code 1, its store run
+``failed`` with the reason, and no model saved from the bad step.
 """
 
 from __future__ import annotations
@@ -63,6 +70,34 @@ def load_trainer(name: str) -> Any:
     return module
 
 
+def _open_store(config: Any) -> str | None:
+    """Open the run store the training will write (or read its dataset from) now, before any model
+    loads; the reason it cannot be used, or None. The config validation has already refused paths
+    that are not DuckDB files; this catches what only opening tells (a lock held by another process,
+    a store written by a newer closedloop, a damaged file)."""
+    from closedloop.trainers.config import StoreSelection
+
+    paths = []
+    if "store" in config.report_to:
+        paths.append(config.store)
+    dataset = getattr(config, "dataset", None)
+    if isinstance(dataset, StoreSelection):
+        paths.append(dataset.path or config.store)
+    if not paths:
+        return None
+    import duckdb
+
+    from closedloop.store import RunStore
+
+    for path in dict.fromkeys(paths):
+        try:
+            (RunStore(path) if path else RunStore()).close()
+        except (OSError, ValueError, RuntimeError, duckdb.Error) as e:
+            shown = path or "the default run store"
+            return f"run store {shown}: {type(e).__name__}: {e}".replace("\n", " ")
+    return None
+
+
 def handle(args: argparse.Namespace) -> int:
     try:
         module = load_trainer(args.trainer)
@@ -75,7 +110,7 @@ def handle(args: argparse.Namespace) -> int:
         print(config_reference(module.CONFIG_CLASS))
         return 0
     try:
-        config = load_config(module.CONFIG_CLASS, args.config, args.overrides)
+        config = load_config(module.CONFIG_CLASS, args.config, args.overrides, check_paths=not args.print_config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -84,11 +119,20 @@ def handle(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
+    problem = _open_store(config)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    from closedloop.trainers.common import TrainingDivergedError
+
     try:
         result = module.run_from_config(config)
-    except (ValueError, FileNotFoundError) as e:  # bad data or model paths found while setting up
+    except (ValueError, FileNotFoundError) as e:  # bad data found while setting up (an empty dataset, ...)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingDivergedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if getattr(result, "interrupted", False):
         print(f"interrupted at step {getattr(result, 'step', '?')}; checkpoint {getattr(result, 'checkpoint', None)}. "
               f"Continue with --set resume=auto", file=sys.stderr)

@@ -140,8 +140,13 @@ class OpenAIClient(ModelClient):
                 raise ModelError("OPENAI_API_KEY is not set; set it, or give a base URL "
                                  "(openai:<model>@http://host:port/v1) for a local server")
             key = "EMPTY"  # local servers accept any key
-        self.spec = f"openai:{model}" + (f"@{self.base_url}" if self.base_url else "")
-        self.url = self.base_url or "https://api.openai.com/v1"
+        # spec and url are what is shown and recorded (errors, LogprobSpec.backend, checkpoints, the store):
+        # a base URL's ``user:key@`` or ``?api_key=`` is redacted there; only the SDK gets base_url itself.
+        from closedloop.store.redact import redact_spec
+
+        shown = redact_spec(self.base_url)
+        self.spec = f"openai:{model}" + (f"@{shown}" if shown else "")
+        self.url = shown or "https://api.openai.com/v1"
         self.features: ServerFeatures = server_features(self.url, model)
         self.max_retries, self.connect_grace_s = max_retries, connect_grace_s
         self._token_ids: Support = token_ids

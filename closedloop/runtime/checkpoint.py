@@ -14,7 +14,7 @@ revival; LangGraph has no public registration hook yet, and a test fails if that
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
@@ -42,9 +42,24 @@ def register_state_types(extra: list[tuple[str, str]] | None = None) -> None:
         _msgpack.SAFE_MSGPACK_TYPES = _msgpack.SAFE_MSGPACK_TYPES | wanted
 
 
+class _RedactingSerializer(JsonPlusSerializer):
+    """LangGraph writes a failed task's exception into the checkpoint (its ``__error__`` write, stored
+    as the exception's repr). Error texts carry what the failing call was given: a model server's
+    URL with its ``user:key@`` userinfo, a header, a key echoed back. That text is redacted by the run
+    store's rules before it is written; nothing else is changed (state is revived as it was saved)."""
+
+    def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
+        if isinstance(obj, BaseException):
+            from closedloop.store.redact import redact_text
+
+            return super().dumps_typed(redact_text(repr(obj)))
+        return super().dumps_typed(obj)
+
+
 def serializer(extra: list[tuple[str, str]] | None = None) -> JsonPlusSerializer:
-    """A serializer that revives our state types (plus ``extra`` (module, class) pairs)."""
-    return JsonPlusSerializer(allowed_msgpack_modules=STATE_TYPES + list(extra or []))
+    """A serializer that revives our state types (plus ``extra`` (module, class) pairs) and redacts
+    the errors it writes."""
+    return _RedactingSerializer(allowed_msgpack_modules=STATE_TYPES + list(extra or []))
 
 
 def make_checkpointer(kind: Literal["memory", "sqlite"] = "memory", path: str | Path | None = None,

@@ -8,6 +8,16 @@ in processes instead; each worker loads the domain once (DB parsed once). Gold s
 depend only on the data and the task) are shared between the runner and its workers: the runner
 sends the one it knows with the episode and keeps the one a worker computed. The judge (an async model client) stays in the caller's process: it is asked first and
 its verdict travels to the worker with the episode.
+
+Workers die with the process that owns the pool, however it dies. A SIGKILLed ``closedloop eval
+tau`` cannot shut its pool down, and ``ProcessPoolExecutor``'s workers would wait forever on their
+call queue (each holds the queue's write end itself, so they never see it close). Each worker
+therefore watches its owner from a thread: a pidfd (Linux 5.3+), readable when the owner exits, or
+else its parent pid, polled. ``PR_SET_PDEATHSIG`` would be simpler but fires when the *thread* that
+spawned the worker exits, and the pool spawns workers from whichever thread submits. The workers
+stay in the owner's process group, so a signal to the group (a terminal's Ctrl-C) reaches them
+too. A resumed evaluation shares nothing with the workers of a killed one (they hold no file,
+lock or port), and those are gone by the time it starts.
 """
 
 from __future__ import annotations
@@ -15,6 +25,9 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import select
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -38,8 +51,33 @@ def default_workers(concurrency: int) -> int:
     return max(1, min(concurrency, (os.cpu_count() or 2) - 1))
 
 
-def _init(domain: str, data_dir: str, options: dict[str, Any]) -> None:
+def _exit_with(owner: int) -> None:
+    """End this process as soon as ``owner`` (its parent, the pool's owner) has exited."""
+    if os.getppid() != owner:  # the owner died before this worker got here
+        os._exit(1)
+    pidfd = None
+    if hasattr(os, "pidfd_open"):
+        try:
+            pidfd = os.pidfd_open(owner)
+        except OSError:  # kernel without pidfds
+            pidfd = None
+    if os.getppid() != owner:  # died between the checks: the pidfd may name a reused pid
+        os._exit(1)
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])  # readable once the process has exited
+        else:
+            while os.getppid() == owner:
+                time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="closedloop-owner-watch", daemon=True).start()
+
+
+def _init(owner: int, domain: str, data_dir: str, options: dict[str, Any]) -> None:
     global _WORKER_DATA
+    _exit_with(owner)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from closedloop.evals.tau.data import load_domain
 
@@ -76,7 +114,8 @@ class GradingPool:
         self.data_key = data_key  # the data's cache_key: gold states are shared with this process
         self.grade_options = dict(grade_options or {})
         self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init, initargs=(domain, str(data_dir), dict(options or {})))
+                                             initializer=_init,
+                                             initargs=(os.getpid(), domain, str(data_dir), dict(options or {})))
 
     @classmethod
     def for_data(cls, data: Any, workers: int, **kw: Any) -> "GradingPool":

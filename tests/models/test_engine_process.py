@@ -121,9 +121,10 @@ async def test_cancellation_reaches_the_child_and_a_dead_child_fails_fast(tiny_m
         short = await endless.generate([UserMessage(content="Hi")], None, SamplingParams(max_tokens=5))
         assert len(short.completion_ids) == 5  # no end of sequence: it decodes to max_tokens
 
+        steps = endless.batch_stats()["decode_steps"]
         pending = asyncio.ensure_future(endless.generate([UserMessage(content="Tell me a story")], None,
                                                          SamplingParams(max_tokens=4000)))
-        await asyncio.sleep(0.3)
+        await _wait_for(lambda: endless.batch_stats()["decode_steps"] > steps, "the request decoding in the child")
         endless._process.kill()  # the engine dies mid-request
         with pytest.raises(ModelUnavailableError, match="exited"):
             await asyncio.wait_for(pending, 30)

@@ -3,6 +3,7 @@ batch at the next step and returns when it is done, not when the batch is; joini
 row's tokens or logprobs (rows are padded and masked, each keeps its own positions and seed)."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -41,6 +42,14 @@ def _fresh_logprobs(model, turn):
     return torch.log_softmax(logits[k - 1:-1], -1).gather(1, torch.tensor(turn.completion_ids)[:, None])[:, 0].tolist()
 
 
+async def _until(predicate, what: str, timeout_s: float = 300.0) -> None:
+    """Poll ``predicate`` while the event loop runs; the deadline only ends a test that would hang."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
 async def _alone(model, tokenizer, msgs, params):
     client = HFClient.from_model(model, tokenizer, batch_wait_ms=0)
     try:
@@ -56,11 +65,8 @@ async def test_a_late_request_joins_the_running_batch_and_returns_first(endless)
     long_params = SamplingParams(temperature=1.0, seed=7, max_tokens=400)
     short_params = SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=5)
     long_task = asyncio.ensure_future(client.generate(long_msgs, None, long_params))
-    for _ in range(2000):  # until the long request is decoding
-        await asyncio.sleep(0.005)
-        if client.decode_steps >= 10:
-            break
-    assert client.decode_steps >= 10 and not long_task.done()
+    await _until(lambda: client.decode_steps >= 10, "the long request decoding")
+    assert not long_task.done()
     short = await client.generate(short_msgs, None, short_params)
     assert not long_task.done(), "the late request waited for the running batch to end"
     assert client.batch_sizes[-2:] == [1, 1]  # admitted on its own, into the running batch
@@ -108,10 +114,7 @@ async def test_a_pause_lets_running_rows_drain_and_admits_nothing_new(endless):
     client = HFClient.from_model(model, tokenizer, batch_wait_ms=0)
     running = asyncio.ensure_future(client.generate([UserMessage(content="go")], None,
                                                     SamplingParams(temperature=0, max_tokens=150)))
-    for _ in range(2000):
-        await asyncio.sleep(0.005)
-        if client.decode_steps >= 5:
-            break
+    await _until(lambda: client.decode_steps >= 5, "the running request decoding")
     loop = asyncio.get_running_loop()
     entered = asyncio.Event()
     release = asyncio.Event()
@@ -124,7 +127,7 @@ async def test_a_pause_lets_running_rows_drain_and_admits_nothing_new(endless):
             asyncio.run_coroutine_threadsafe(release.wait(), loop).result()
 
     thread = loop.run_in_executor(None, trainer)
-    await asyncio.sleep(0.05)  # the trainer now waits for the running row
+    await _until(lambda: client._pausing > 0, "the trainer waiting in paused()")  # for the running row
     late = asyncio.ensure_future(client.generate([UserMessage(content="late")], None,
                                                  SamplingParams(temperature=0, max_tokens=4)))
     await entered.wait()

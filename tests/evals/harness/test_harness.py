@@ -58,14 +58,18 @@ async def test_cancel_keeps_finished_results_and_drops_in_flight():
         time.sleep(0.05)
         out.append(r)
 
+    fourth_started = asyncio.Event()
+
     async def work(i: int) -> int:
-        await asyncio.sleep(0.02 if i < 3 else 5)
+        if i == 3:
+            fourth_started.set()
+            await asyncio.Event().wait()  # in flight until cancelled
         return i
 
     out: list[int] = []
     runner = BatchRunner(work, write, concurrency=1)
     task = asyncio.ensure_future(runner.run(list(range(6))))
-    await asyncio.sleep(0.3)
+    await fourth_started.wait()  # items 0-2 are finished (the last one's write may still be under way)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
