@@ -177,7 +177,7 @@ def logprob_class(lp: float | None) -> str:
 
 def advantage_class(adv: float | None) -> str:
     if adv is None:
-        return "avn"
+        return "avx"
     mag = abs(adv)
     level = 0 if mag < 1e-9 else 1 if mag < 0.25 else 2 if mag < 0.75 else 3
     if level == 0:
