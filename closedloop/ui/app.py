@@ -16,6 +16,7 @@ its thread pool, so a read that waits for a writer's lock never stalls the event
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
@@ -49,9 +50,9 @@ TEXT_LIMIT = 20_000  # characters of one text block shown on a page; the rest is
 
 
 class UISettings(BaseModel):
-    store: str | None = Field(None, description="run store file (default: $CLOSEDLOOP_STORE, ~/.closedloop/runs.duckdb)")
-    tokenizer: str | None = Field(None, description="tokenizer.json (or a model directory) for token text")
-    poll_ms: int = Field(2000, ge=50, le=600_000, description="how often live pages check the store for changes")
+    store: str | None = Field(default=None, description="run store file (default: $CLOSEDLOOP_STORE, ~/.closedloop/runs.duckdb)")
+    tokenizer: str | None = Field(default=None, description="tokenizer.json (or a model directory) for token text")
+    poll_ms: int = Field(default=2000, ge=50, le=600_000, description="how often live pages check the store for changes")
     allowed_hosts: list[str] = Field(default_factory=lambda: list(LOOPBACK_HOSTS),
                                      description="Host header values served (['*']: any)")
 
@@ -146,7 +147,10 @@ def create_app(settings: UISettings | None = None) -> FastAPI:
 
     @app.middleware("http")
     async def security_headers(request: Request, call_next: Any) -> Response:
+        started = time.perf_counter()
         response = await call_next(request)
+        # what the page cost the server (browsers show it; benchmarks/bench_ui.py reads it)
+        response.headers["Server-Timing"] = f"app;dur={(time.perf_counter() - started) * 1000:.1f}"
         response.headers.setdefault("Content-Security-Policy", CSP)
         response.headers["X-Content-Type-Options"] = "nosniff"
         response.headers["Referrer-Policy"] = "no-referrer"

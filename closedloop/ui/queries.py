@@ -49,9 +49,9 @@ class RunFilter(BaseModel):
     tag: str | None = None
     since: date | None = None
     until: date | None = None
-    q: str | None = Field(None, max_length=200)
+    q: str | None = Field(default=None, max_length=200)
     scope: Literal["top", "all"] = "top"
-    page: int = Field(0, ge=0, le=100_000)
+    page: int = Field(default=0, ge=0, le=100_000)
 
     @field_validator("kind", "graph", "model", "status", "tag", "q", "since", "until", mode="before")
     @classmethod
@@ -150,6 +150,14 @@ class RunsPage(BaseModel):
 _FACET_LIMIT = 200
 
 
+def _one(con: duckdb.DuckDBPyConnection, sql: str, params: list[Any]) -> tuple[Any, ...]:
+    """The single row of an aggregate query."""
+    row = con.execute(sql, params).fetchone()
+    if row is None:
+        raise RuntimeError(f"no row from {sql!r}")
+    return row
+
+
 def _rewards(raw: Any) -> dict[str, float]:
     value = json.loads(raw) if isinstance(raw, str) else raw
     if not isinstance(value, dict):
@@ -166,7 +174,7 @@ def runs_page(store: RunStore, f: RunFilter, page_size: int = PAGE_SIZE) -> Runs
     where, params = f.where()
 
     def q(con: duckdb.DuckDBPyConnection) -> RunsPage:
-        total = con.execute(f"SELECT count(*) FROM runs {where}", params).fetchone()[0]
+        total = _one(con, f"SELECT count(*) FROM runs {where}", params)[0]
         rows = con.execute(
             "WITH page AS (SELECT id, kind, graph, model_spec, status, parent_id, started_at, ended_at, prompt_tokens, "
             "completion_tokens, cost_usd, tags, json_extract(outcome, '$.rewards') AS rewards, "
@@ -199,7 +207,7 @@ def fingerprint(store: RunStore) -> str:
     ``updated_at`` (turns, steps, metrics, finishing). One cheap aggregate over ``runs``."""
 
     def q(con: duckdb.DuckDBPyConnection) -> str:
-        n, last = con.execute("SELECT count(*), max(updated_at) FROM runs").fetchone()
+        n, last = _one(con, "SELECT count(*), max(updated_at) FROM runs", [])
         return f"{n}:{last.isoformat() if last else '-'}"
 
     return read(store, q)
@@ -210,7 +218,7 @@ def children(store: RunStore, parent_id: str, *, limit: int = 500) -> tuple[list
     Without configs and outcomes: a τ-bench episode's outcome holds its whole simulation."""
 
     def q(con: duckdb.DuckDBPyConnection) -> tuple[list[RunRow], int]:
-        total = con.execute("SELECT count(*) FROM runs WHERE parent_id = ?", [parent_id]).fetchone()[0]
+        total = _one(con, "SELECT count(*) FROM runs WHERE parent_id = ?", [parent_id])[0]
         rows = con.execute(
             "SELECT id, kind, graph, model_spec, status, parent_id, started_at, ended_at, prompt_tokens, "
             "completion_tokens, cost_usd, tags, json_extract(outcome, '$.rewards'), left(error, 300) "
