@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import sys
+from pathlib import Path
 
 
 def is_loopback(host: str) -> bool:
@@ -26,13 +27,24 @@ def handle(args: argparse.Namespace) -> int:
         print(f"error: --host {args.host} is not a loopback address; the viewer shows every recorded message "
               "without a login. Add --allow-remote to serve it to other hosts anyway.", file=sys.stderr)
         return 2
+    from closedloop.config import default_store_path
+
+    path = Path(args.store).expanduser() if args.store else default_store_path()
+    if not path.is_file():
+        print(f"error: no run store at {path}; give --store PATH (a runs.duckdb written by closedloop)", file=sys.stderr)
+        return 2
     import uvicorn
 
+    from closedloop.store import StoreVersionError
     from closedloop.ui.app import LOOPBACK_HOSTS, UISettings, create_app
 
-    settings = UISettings(store=args.store, tokenizer=args.tokenizer, poll_ms=args.poll_ms,
+    settings = UISettings(store=str(path), tokenizer=args.tokenizer, poll_ms=args.poll_ms,
                           allowed_hosts=["*"] if args.allow_remote else list(LOOPBACK_HOSTS))
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except StoreVersionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     shown = f"[{args.host}]" if ":" in args.host else args.host
     print(f"closedloop ui: http://{shown}:{args.port}/  (store {app.state.store.path}; Ctrl-C stops)", flush=True)
     if args.allow_remote:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+import duckdb
 import jinja2
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -171,6 +172,12 @@ def create_app(settings: UISettings | None = None) -> FastAPI:
     @app.exception_handler(StoreBusyError)
     def busy(request: Request, exc: StoreBusyError) -> HTMLResponse:
         return page("error.jinja", 503, title="store busy", message=f"{exc} (this page retries on reload)")
+
+    @app.exception_handler(duckdb.Error)
+    def unreadable(request: Request, exc: duckdb.Error) -> HTMLResponse:
+        # e.g. a read that met a writer's half-finished checkpoint: nothing was changed, try again
+        return page("error.jinja", 503, title="store not readable right now",
+                    message=f"{type(exc).__name__}: {exc} (nothing was changed; this page retries on reload)")
 
     @app.exception_handler(ValidationError)
     def bad_query(request: Request, exc: ValidationError) -> HTMLResponse:

@@ -41,11 +41,16 @@ class EvalView:
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, float]:
-    """Numeric leaves of nested dicts as ``a.b.c -> float`` (booleans as 0/1; lists skipped)."""
+    """Numeric leaves of nested dicts as ``a.b.c -> float`` (booleans as 0/1, short numeric lists such
+    as confidence intervals as ``a[0]``, ``a[1]``; other lists skipped)."""
     out: dict[str, float] = {}
     if isinstance(value, dict):
         for k, v in value.items():
             out.update(flatten(v, f"{prefix}{k}."))
+    elif isinstance(value, (list, tuple)) and 0 < len(value) <= 4 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        for i, v in enumerate(value):  # an interval: accuracy_ci[0], accuracy_ci[1]
+            out[f"{prefix[:-1]}[{i}]"] = float(v)
     elif isinstance(value, bool):
         out[prefix[:-1]] = float(value)
     elif isinstance(value, (int, float)) and math.isfinite(float(value)):

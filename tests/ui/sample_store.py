@@ -71,6 +71,7 @@ class SampleStore:
     rollouts: list[str] = field(default_factory=list)
     demo_eval: str = ""
     demo_eval_b: str = ""
+    factguard_eval: str = ""
     image: bytes = b""
     svg_sha: str = ""
 
@@ -127,6 +128,7 @@ def build(path: Path, model_dir: Path) -> SampleStore:
     _train(store, out, tok, spec)
     out.demo_eval = _demo_eval(store, tok, spec, "base", [0.0, 1.0, 0.0, 0.0])
     out.demo_eval_b = _demo_eval(store, tok, spec, "grpo", [1.0, 1.0, 0.0, 1.0])
+    out.factguard_eval = _factguard(store, spec)
 
     # --- media whose recorded type could carry script: must never be served as itself
     from closedloop.store.media import MediaSink, write_media
@@ -212,6 +214,24 @@ def _train(store: RunStore, out: SampleStore, tok, spec: str) -> None:
                                     metadata={"group": group, "sample": sample, "step": 5, "turn_rewards": [{}]}))
     out.rollouts = store.record_trajectories(trajs, kind="rollout", parent_id=tid, tags=["step:5"])
     store.finish_run(tid, "completed")
+
+
+def _factguard(store: RunStore, spec: str) -> str:
+    """As ``evals/factguard/evaluate.py`` stores one: its metrics (the benchmark's own
+    ``binary_metrics``) on the parent, a run per sample."""
+    from closedloop.evals.factguard.data import binary_metrics
+
+    predicted, labels = ["fake", "real", "fake", None], ["fake", "real", "real", "fake"]
+    parent = store.start_run(kind="eval", graph="factguard", model_spec=spec,
+                             config={"benchmark": "factguard", "n": 4, "vision": False}, tags=["factguard"])
+    trajs = [Trajectory(messages=[UserMessage(content=f"video {i}")], rewards={"acc": float(p == y)},
+                        metadata={"sample": f"v{i}", "label": y, "predicted": p})
+             for i, (p, y) in enumerate(zip(predicted, labels))]
+    store.record_trajectories(trajs, kind="eval-episode", graph="factguard", model_spec=spec, parent_id=parent,
+                              tags=["factguard"])
+    metrics = binary_metrics(predicted, labels, bootstrap=50)
+    store.finish_run(parent, "completed", outcome={"metrics": metrics.model_dump(), "errors": 0, "tool_rate": 0.5})
+    return parent
 
 
 def _demo_eval(store: RunStore, tok, spec: str, stage: str, successes: list[float]) -> str:

@@ -26,10 +26,15 @@ def test_loopback_addresses(host, loopback):
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.5"])
 def test_other_hosts_are_refused_unless_allowed(host, tmp_path, capsys):
-    assert main(["ui", "--store", str(tmp_path / "runs.duckdb"), "--host", host]) == 2
+    assert main(["ui", "--store", str(tmp_path / "runs.duckdb"), "--host", host]) == 2  # before the store is looked at
     err = capsys.readouterr().err
     assert "not a loopback address" in err and "--allow-remote" in err
     assert not (tmp_path / "runs.duckdb").exists()  # refused before anything was opened
+
+
+def test_a_missing_store_is_an_error_not_a_new_file(tmp_path, capsys):
+    assert main(["ui", "--store", str(tmp_path / "typo.duckdb")]) == 2
+    assert "no run store at" in capsys.readouterr().err and not (tmp_path / "typo.duckdb").exists()
 
 
 def _listening(port: int) -> list[str]:

@@ -31,7 +31,7 @@ def test_runs_page_filters_and_facets(http, sample):
     assert sample.rollouts[0] not in top  # children are under their parent unless asked for
     assert sample.rollouts[0] in ids_on(http.get("/", params={"scope": "all"}).text)
     evals = set(ids_on(http.get("/", params={"kind": "eval"}).text))
-    assert evals == {sample.tau_eval, sample.kb_eval, sample.demo_eval, sample.demo_eval_b}
+    assert evals == {sample.tau_eval, sample.kb_eval, sample.demo_eval, sample.demo_eval_b, sample.factguard_eval}
     assert ids_on(http.get("/", params={"status": "waiting"}).text) == [sample.waiting]
     assert set(ids_on(http.get("/", params={"tag": "stage:grpo"}).text)) >= {sample.demo_eval_b}
     assert sample.kb_eval in ids_on(http.get("/", params={"q": "KERNELBENCH"}).text)  # search: tags, any case
@@ -106,6 +106,9 @@ def test_evaluation_pages(http, sample):
                       if (r.outcome or {}).get("result", {}).get("status") == "compile_error")
     verdict = http.get(f"/runs/{sample_run}").text
     assert "compiler log" in verdict and "expected &#39;;&#39; before" in verdict and "int x = }" in verdict
+    fg = http.get(f"/evals/{sample.factguard_eval}").text
+    assert "factguard" in fg and re.search(r"metrics.accuracy</td><td class=\"num\">0.5<", fg)
+    assert "metrics.accuracy_ci[0]" in fg and "metrics.f1" in fg and "v3" in fg  # every sample listed
     cmp = http.get("/compare", params={"a": sample.demo_eval, "b": sample.demo_eval_b}).text
     assert re.search(r"mean reward.success</td><td class=\"num\">0.25</td><td class=\"num\">0.75</td>"
                      r"<td class=\"num up\">0.5<", cmp)
