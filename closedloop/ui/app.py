@@ -159,11 +159,19 @@ def create_app(settings: UISettings | None = None) -> FastAPI:
         response.headers.setdefault("Cache-Control", "no-store")
         return response
 
-    def page(name: str, status_code: int = 200, *, live: bool = False, **ctx: Any) -> HTMLResponse:
-        version = queries.fingerprint(store) if live else ""
-        html = env.get_template(name).render(store_path=str(store.path), poll_ms=settings.poll_ms, live=live,
-                                             version=version, **ctx)
+    def page(name: str, status_code: int = 200, *, live: str | None = None, **ctx: Any) -> HTMLResponse:
+        """``live``: the store's fingerprint read *before* the page's data (see :func:`version`), or
+        None for a page that does not refresh itself."""
+        version = live or ""
+        html = env.get_template(name).render(store_path=str(store.path), poll_ms=settings.poll_ms,
+                                             live=live is not None, version=version, **ctx)
         return HTMLResponse(html, status_code=status_code)
+
+    def version() -> str:
+        """The fingerprint a live page carries, read before its data: a write landing in between
+        makes the page look one change older than it is (one extra refresh), never newer (which
+        would hide that write until the next one)."""
+        return queries.fingerprint(store)
 
     @app.exception_handler(RunNotFoundError)
     def not_found(request: Request, exc: RunNotFoundError) -> HTMLResponse:
@@ -187,15 +195,18 @@ def create_app(settings: UISettings | None = None) -> FastAPI:
     @app.get("/", response_class=HTMLResponse)
     def runs(request: Request) -> HTMLResponse:
         f = queries.RunFilter.model_validate(dict(request.query_params))
+        v = version()
         result = queries.runs_page(store, f)
-        return page("runs.jinja", live=True, title="runs", f=f, result=result, filter_query=f.query())
+        return page("runs.jinja", live=v, title="runs", f=f, result=result, filter_query=f.query())
 
     @app.get("/runs/{run_id}", response_class=HTMLResponse)
     def trace(run_id: str) -> HTMLResponse:
+        v = version()
         run = store.get_run(run_id, media="refs")
         t = build_trace(run)
         kids, n_kids = queries.children(store, run.id)
-        return page("trace.jinja", live=run.status == "running", title=f"run {run.id[:12]}", run=run, trace=t,
+        return page("trace.jinja", live=v if run.status == "running" else None, title=f"run {run.id[:12]}", run=run,
+                    trace=t,
                     waterfall=charts.waterfall(t.waterfall), kids=kids, n_kids=n_kids,
                     pending=pending_approvals(run) if run.status == "waiting" else [],
                     outcome_view=_outcome_view(run.outcome), is_train=run.kind == "train",
@@ -235,8 +246,10 @@ def create_app(settings: UISettings | None = None) -> FastAPI:
 
     @app.get("/evals/{run_id}", response_class=HTMLResponse)
     def evaluation(run_id: str) -> HTMLResponse:
+        v = version()
         view = eval_view(store, run_id)
-        return page("eval.jinja", live=view.run.status == "running", title=f"evaluation {view.run.id[:12]}", v=view)
+        return page("eval.jinja", live=v if view.run.status == "running" else None,
+                    title=f"evaluation {view.run.id[:12]}", v=view)
 
     @app.get("/compare", response_class=HTMLResponse)
     def compare(a: str, b: str) -> HTMLResponse:
@@ -249,6 +262,7 @@ def create_app(settings: UISettings | None = None) -> FastAPI:
     def training(run_id: str, smooth: float = 0.6, step: int | None = None) -> HTMLResponse:
         if not 0 <= smooth < 1:
             raise HTTPException(400, "smooth must be in [0, 1)")
+        v = version()
         run = store.get_run(run_id, media="refs")
         rows = store.metrics(run.id)
         series: dict[str, tuple[list[float], list[float]]] = {}
@@ -270,7 +284,7 @@ def create_app(settings: UISettings | None = None) -> FastAPI:
         shown = step if step is not None else (steps[-1] if steps else None)
         rollouts = store.list_runs(limit=None, parent_id=run.id, tag=f"step:{shown}") if shown is not None else []
         last = rows[-1]["step"] if rows else None
-        return page("train.jinja", live=run.status == "running", title=f"training {run.id[:12]}", run=run,
+        return page("train.jinja", live=v if run.status == "running" else None, title=f"training {run.id[:12]}", run=run,
                     charts=chart_list, steps=steps, shown=shown, rollouts=rollouts, smooth=smooth,
                     metric_names=sorted(series), last_step=last)
 
@@ -289,7 +303,7 @@ def create_app(settings: UISettings | None = None) -> FastAPI:
         return Response(data, media_type=mime, headers=headers)
 
     @app.get("/api/version")
-    def version() -> JSONResponse:
+    def api_version() -> JSONResponse:
         return JSONResponse({"version": queries.fingerprint(store)})
 
     @app.get("/static/{name}")

@@ -19,7 +19,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import ServedUI, shot
+from ui_support import ServedUI, shot
 
 from closedloop.store import RunStore
 
@@ -28,7 +28,7 @@ DEMO = dict(expert_episodes=16, sft_steps=2, grpo_steps=3, prompts_per_step=2, n
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
-def wait_for(browser, condition, what: str, timeout: float = 600, proc: subprocess.Popen | None = None):
+def wait_for(browser, condition, what: str, timeout: float = float(os.environ.get("CLOSEDLOOP_UI_WAIT_S", 600)), proc: subprocess.Popen | None = None):
     """Poll ``condition(browser)`` until it is truthy; fail with ``what`` (and the writer's output
     if it died). A deadline only against a hang: the condition, not the clock, ends the wait."""
     deadline = time.monotonic() + timeout
@@ -40,7 +40,10 @@ def wait_for(browser, condition, what: str, timeout: float = 600, proc: subproce
             out, err = proc.communicate()
             pytest.fail(f"the writer failed while waiting for {what}: {out[-2000:]} {err[-4000:]}")
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
+            state = js(browser, "return {status: (document.getElementById('live-status') || {}).textContent, "
+                                "data: {...document.body.dataset}, url: location.href}")
+            logs = [e["message"] for e in browser.get_log("browser")][-10:]
+            pytest.fail(f"timed out waiting for {what}; page: {state}; console: {logs}")
         time.sleep(0.05)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
+from ui_support import free_port
 
 from closedloop.cli import main
 from closedloop.cli.ui import is_loopback

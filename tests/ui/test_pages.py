@@ -168,3 +168,27 @@ def test_front_end_files_ship_in_the_wheel():
     for path in static_files():
         assert (path.parent / "__init__.py").exists(), f"{path.parent} is not a package: its files would not ship"
         assert path.name == "__init__.py" or any(fnmatch.fnmatch(path.name, g) for g in globs), path
+
+
+def test_a_live_page_never_carries_a_version_newer_than_its_data(tmp_path):
+    """A write landing while a page is read must show up at the next poll: the page's version is
+    read before its data (else the page would look current and the write stay hidden)."""
+    from ui_support import ServedUI
+
+    store = RunStore(tmp_path / "runs.duckdb")
+    rid = store.start_run(kind="train")
+    with ServedUI(store=str(tmp_path / "runs.duckdb")) as ui:
+        served_store = ui.app.state.store
+        real_get_run = served_store.get_run
+
+        def get_run_then_a_write_lands(run_id, **kw):
+            run = real_get_run(run_id, **kw)
+            store.finish_run(rid, "completed")  # another writer, between the page's reads
+            return run
+
+        served_store.get_run = get_run_then_a_write_lands
+        page = httpx.get(f"{ui.url}/train/{rid}", timeout=60).text
+        served_store.get_run = real_get_run
+        shown = re.search(r'data-version="([^"]*)"', page).group(1)
+        assert 'data-live="1"' in page  # the page was rendered from the data read before the write
+        assert shown != httpx.get(f"{ui.url}/api/version", timeout=60).json()["version"]  # so its next poll refreshes
