@@ -195,22 +195,20 @@ def create_app(settings: UISettings | None = None) -> FastAPI:
     @app.get("/", response_class=HTMLResponse)
     def runs(request: Request) -> HTMLResponse:
         f = queries.RunFilter.model_validate(dict(request.query_params))
-        v = version()
-        result = queries.runs_page(store, f)
-        return page("runs.jinja", live=v, title="runs", f=f, result=result, filter_query=f.query())
+        result = queries.runs_page(store, f)  # its version is read in the same transaction as its rows
+        return page("runs.jinja", live=result.version, title="runs", f=f, result=result, filter_query=f.query())
 
     @app.get("/runs/{run_id}", response_class=HTMLResponse)
     def trace(run_id: str) -> HTMLResponse:
-        v = version()
+        kids = queries.children(store, run_id)  # first: the version it carries precedes the run's data
         run = store.get_run(run_id, media="refs")
         t = build_trace(run)
-        kids, n_kids = queries.children(store, run.id)
-        return page("trace.jinja", live=v if run.status == "running" else None, title=f"run {run.id[:12]}", run=run,
-                    trace=t,
-                    waterfall=charts.waterfall(t.waterfall), kids=kids, n_kids=n_kids,
+        return page("trace.jinja", live=kids.version if run.status == "running" else None,
+                    title=f"run {run.id[:12]}", run=run, trace=t,
+                    waterfall=charts.waterfall(t.waterfall), kids=kids.rows, n_kids=kids.total,
                     pending=pending_approvals(run) if run.status == "waiting" else [],
                     outcome_view=_outcome_view(run.outcome), is_train=run.kind == "train",
-                    is_eval=run.kind == "eval" or n_kids > 0 and run.kind != "train")
+                    is_eval=run.kind == "eval" or kids.total > 0 and run.kind != "train")
 
     @app.get("/runs/{run_id}/turns/{index}", response_class=HTMLResponse)
     def turn(run_id: str, index: int, color: str = "mask", start: int = 0) -> HTMLResponse:

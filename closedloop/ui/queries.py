@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from closedloop.store import TERMINAL_STATUSES, RunStore
 
-__all__ = ["read", "RunFilter", "RunRow", "Facets", "RunsPage", "runs_page", "fingerprint", "children",
+__all__ = ["read", "RunFilter", "RunRow", "Facets", "RunsPage", "runs_page", "fingerprint", "Children", "children",
            "child_steps", "media", "STATUSES"]
 
 T = TypeVar("T")
@@ -136,6 +136,7 @@ class Facets(BaseModel):
 
 
 class RunsPage(BaseModel):
+    version: str  # the store's fingerprint, read in the same transaction as the rows
     rows: list[RunRow]
     total: int
     facets: Facets
@@ -174,6 +175,7 @@ def runs_page(store: RunStore, f: RunFilter, page_size: int = PAGE_SIZE) -> Runs
     where, params = f.where()
 
     def q(con: duckdb.DuckDBPyConnection) -> RunsPage:
+        version = _fingerprint(con)
         total = _one(con, f"SELECT count(*) FROM runs {where}", params)[0]
         rows = con.execute(
             "WITH page AS (SELECT id, kind, graph, model_spec, status, parent_id, started_at, ended_at, prompt_tokens, "
@@ -197,36 +199,47 @@ def runs_page(store: RunStore, f: RunFilter, page_size: int = PAGE_SIZE) -> Runs
                               started_at=started, ended_at=ended, prompt_tokens=p_tok, completion_tokens=c_tok,
                               cost_usd=cost, tags=list(tags or []), rewards=_rewards(rewards), children=int(n_children),
                               error=error))
-        return RunsPage(rows=out, total=int(total), facets=facets, page=f.page, page_size=page_size)
+        return RunsPage(version=version, rows=out, total=int(total), facets=facets, page=f.page, page_size=page_size)
 
     return read(store, q)
+
+
+def _fingerprint(con: duckdb.DuckDBPyConnection) -> str:
+    n, last = _one(con, "SELECT count(*), max(updated_at) FROM runs", [])
+    return f"{n}:{last.isoformat() if last else '-'}"
 
 
 def fingerprint(store: RunStore) -> str:
     """Changes whenever anything is written: every write adds a run or moves some run's
     ``updated_at`` (turns, steps, metrics, finishing). One cheap aggregate over ``runs``."""
-
-    def q(con: duckdb.DuckDBPyConnection) -> str:
-        n, last = _one(con, "SELECT count(*), max(updated_at) FROM runs", [])
-        return f"{n}:{last.isoformat() if last else '-'}"
-
-    return read(store, q)
+    return read(store, _fingerprint)
 
 
-def children(store: RunStore, parent_id: str, *, limit: int = 500) -> tuple[list[RunRow], int]:
-    """The first ``limit`` child runs of a run (oldest first) and how many there are in all.
-    Without configs and outcomes: a τ-bench episode's outcome holds its whole simulation."""
+class Children(BaseModel):
+    version: str  # the store's fingerprint, read first in the same transaction
+    rows: list[RunRow]
+    total: int
 
-    def q(con: duckdb.DuckDBPyConnection) -> tuple[list[RunRow], int]:
-        total = _one(con, "SELECT count(*) FROM runs WHERE parent_id = ?", [parent_id])[0]
+
+def children(store: RunStore, parent_id: str, *, limit: int = 500) -> Children:
+    """The first ``limit`` child runs of a run (oldest first), how many there are in all, and the
+    store's fingerprint before them. Without configs and outcomes: a τ-bench episode's outcome
+    holds its whole simulation. ``parent_id`` may be a unique prefix, as everywhere."""
+
+    def q(con: duckdb.DuckDBPyConnection) -> Children:
+        version = _fingerprint(con)
+        ids = [r[0] for r in con.execute("SELECT id FROM runs WHERE id = ? UNION ALL (SELECT id FROM runs "
+                                         "WHERE starts_with(id, ?) LIMIT 2)", [parent_id, parent_id]).fetchall()]
+        full = ids[0] if ids and (ids[0] == parent_id or len(set(ids)) == 1) else parent_id
+        total = _one(con, "SELECT count(*) FROM runs WHERE parent_id = ?", [full])[0]
         rows = con.execute(
             "SELECT id, kind, graph, model_spec, status, parent_id, started_at, ended_at, prompt_tokens, "
             "completion_tokens, cost_usd, tags, json_extract(outcome, '$.rewards'), left(error, 300) "
-            "FROM runs WHERE parent_id = ? ORDER BY started_at, rowid LIMIT ?", [parent_id, limit]).fetchall()
+            "FROM runs WHERE parent_id = ? ORDER BY started_at, rowid LIMIT ?", [full, limit]).fetchall()
         out = [RunRow(id=r[0], kind=r[1], graph=r[2], model_spec=r[3], status=r[4], parent_id=r[5], started_at=r[6],
                       ended_at=r[7], prompt_tokens=r[8], completion_tokens=r[9], cost_usd=r[10], tags=list(r[11] or []),
                       rewards=_rewards(r[12]), children=0, error=r[13]) for r in rows]
-        return out, int(total)
+        return Children(version=version, rows=out, total=int(total))
 
     return read(store, q)
 
