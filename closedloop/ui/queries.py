@@ -29,14 +29,16 @@ PAGE_SIZE = 50
 
 
 def read(store: RunStore, fn: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
-    """Run ``fn`` in one transaction of ``store``: its own connection logic (lock retries with
-    backoff up to ``lock_timeout_s``, the file released as soon as ``fn`` returns).
+    """Run ``fn`` (which only reads) in one short transaction of ``store``, the way the store runs
+    its own reads: its lock retries with backoff up to ``lock_timeout_s``, the file released as
+    soon as ``fn`` returns.
 
-    This is the store's internal transaction helper; the viewer uses it so that whatever makes the
-    store's reads safe beside a writer applies to these reads too. It is the one place to change
-    if the store grows a public read-transaction method.
+    This goes through the store's internal read path: ``RunStore._read`` (a shared lock and a
+    read-only connection) where the store has one, else ``RunStore._tx``. It is the one place to
+    change when the store offers a public read-transaction method.
     """
-    return store._tx(fn)
+    reader = getattr(store, "_read", None)
+    return reader(fn) if reader is not None else store._tx(fn)
 
 
 class RunFilter(BaseModel):
