@@ -141,6 +141,10 @@ def test_hostile_content_is_text_and_every_page_has_the_csp(http, sample):
 
     assert str(escape(HOSTILE)) in trace  # all of it, as text
     assert len(trace) < HUGE_LEN // 2 and "more characters" in trace
+    tokens = http.get(f"/runs/{sample.interactive}/turns/1").text  # a 300,000-token completion, a page at a time
+    assert "tokens 0–4095 of" in tokens and tokens.count('data-mask=') == 4096 and len(tokens) < 2_000_000
+    nxt = http.get(f"/runs/{sample.interactive}/turns/1", params={"start": 4096}).text
+    assert "tokens 4096–8191 of" in nxt and 'data-mask="1"' in nxt
     whole = http.get(f"/runs/{sample.interactive}/messages/6.json")
     assert whole.headers["content-type"].startswith("text/plain") and whole.text.count("x") >= HUGE_LEN
 
