@@ -21,11 +21,12 @@ and the load average before and after. Goal: each page ≤ 300 ms server time.
 
     python benchmarks/bench_ui.py --store out/bench_ui/runs.duckdb --repeats 15
 
-Measured (2026-12, 2-core shared machine, 10,000 runs / 1,000,073 turns, 72 MiB; build 290 s):
-CPU per request, median: runs page 48 ms (peer list_runs 28 ms), trace 104 ms (peer get_run
-54 ms). Server time, median: at load 6, runs page 76 ms and trace 117 ms (goal ≤ 300 ms met);
-at load 12 on 2 cores, 184 ms and 401 ms (the trace page over the goal: wall is ~4× CPU there).
-About 20 ms of CPU of each page is DuckDB opening the file (the viewer never keeps it open).
+Measured (2026-12, 2-core shared machine, 10,000 runs / 1,000,073 turns, 72 MiB; build 290 s),
+21 rounds at load 7.7-8.4: runs page 128 ms server time (47 ms CPU; peer list_runs 81 ms, 27 ms
+CPU), trace 291 ms (95 ms CPU; peer get_run 159 ms, 52 ms CPU), worst 212 / 446 ms. 15 rounds at
+load 12: 184 / 401 ms (48 / 104 ms CPU): the goal holds while the CPUs are not oversubscribed,
+where wall time is 3-4x CPU. About 20 ms of CPU per page is DuckDB opening the file (the viewer
+never keeps it open); the trace page opens it twice (sub-runs and version, then the run).
 """
 
 from __future__ import annotations
