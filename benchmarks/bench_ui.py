@@ -24,7 +24,7 @@ and the load average before and after. Goal: each page ≤ 300 ms server time.
 Measured (2026-12, 2-core shared machine, 10,000 runs / 1,000,073 turns, 72 MiB; build 290 s),
 21 rounds at load 7.7-8.4: runs page 128 ms server time (47 ms CPU; peer list_runs 81 ms, 27 ms
 CPU), trace 291 ms (95 ms CPU; peer get_run 159 ms, 52 ms CPU), worst 212 / 446 ms. 15 rounds at
-load 12: 184 / 401 ms (48 / 104 ms CPU): the goal holds while the CPUs are not oversubscribed,
+load 12: 184 / 401 ms (48 / 104 ms CPU): the trace page meets the goal at load 8 and misses it at 12,
 where wall time is 3-4x CPU. About 20 ms of CPU per page is DuckDB opening the file (the viewer
 never keeps it open); the trace page opens it twice (sub-runs and version, then the run).
 """
