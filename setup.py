@@ -14,4 +14,4 @@ for folder in FOLDERS:
     packages.append(f"closedloop.{folder}")
     packages += [f"closedloop.{folder}.{sub}" for sub in find_packages(folder)]
 
-setup(packages=packages, package_dir=package_dir, package_data={"": ["*.md", "*.jinja", "*.json", "*.yaml"]})
+setup(packages=packages, package_dir=package_dir, package_data={"": ["*.md", "*.jinja", "*.json", "*.yaml", "*.css", "*.js"]})

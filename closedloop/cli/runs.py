@@ -160,6 +160,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         for table, path in paths.items():
             print(f"{table}: {path}")
         return 0
+    if args.format == "otlp":  # spans over OTLP/HTTP (closedloop.telemetry), not rows into a file
+        from closedloop.telemetry.otlp import export_otlp_command
+
+        return export_otlp_command(args)
     if args.format is None or args.out is None:
         print("error: give --format sft|pairs|groups with --out FILE.jsonl (or --parquet DIR)", file=sys.stderr)
         return 2
@@ -207,9 +211,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     export = runs_sub.add_parser("export", parents=[common],
                                  help="training rows as JSONL (--format), or every table as Parquet (--parquet)")
     export.add_argument("--parquet", metavar="DIR", help="write one Parquet file per table into DIR")
-    export.add_argument("--format", choices=("sft", "pairs", "groups"),
+    export.add_argument("--format", choices=("sft", "pairs", "groups", "otlp"),
                         help="sft: conversations; pairs: preference pairs (same task, different reward); "
-                             "groups: GRPO groups per task")
+                             "groups: GRPO groups per task; otlp: OpenTelemetry spans sent to --endpoint")
+    export.add_argument("--endpoint", metavar="URL", help="otlp: OTLP/HTTP receiver (default: $OTEL_EXPORTER_OTLP_"
+                                                          "ENDPOINT, else http://localhost:4318)")
     export.add_argument("--out", metavar="FILE.jsonl")
     export.add_argument("--kind", help="only runs of this kind (train, episode, run, ...)")
     export.add_argument("--graph")
