@@ -3,8 +3,12 @@
 DuckDB lets one process at a time open a file for writing, so the store never holds the file
 between operations: each logical write opens a connection, runs inside BEGIN/COMMIT and closes.
 Another process (``closedloop runs list`` next to a running eval) then gets its turn between
-writes; a connection that finds the file locked retries with backoff until ``lock_timeout_s``.
-A crash mid-write loses only the uncommitted transaction, never leaves half of one.
+writes. Every open goes through the store's own lock first (:mod:`closedloop.store.lock`):
+exclusive for a write, shared for a read (readers open the file ``read_only`` and may read
+together); DuckDB 2 reads the file's header before it locks the file, and this lock is what keeps
+another process from checkpointing in between. A lock held elsewhere is waited for, with
+backoff, until ``lock_timeout_s`` (then :class:`StoreBusyError`, naming the holder). A crash
+mid-write loses only the uncommitted transaction, never leaves half of one.
 
 Opening the file costs tens of milliseconds, so there are three ways to write, by cost:
 
@@ -12,16 +16,25 @@ Opening the file costs tens of milliseconds, so there are three ways to write, b
   connection and one transaction per call, committed when the call returns. Simple, and what
   scripts and tests use; too slow to call per step from an event loop.
 - queued (``log_step``, used by :class:`~closedloop.runtime.recording.StoreRecorder`): appended
-  to an in-process queue in microseconds and committed by a background thread in one
-  transaction per ``flush_interval_s`` (see :mod:`closedloop.store.writer` for the trade-off: a
-  SIGKILLed process loses at most its last interval; ``finish_run``, ``close``, any synchronous
-  call on the same store and interpreter exit flush first, so a finished run is complete).
+  to an in-process queue in microseconds and committed by a background thread, one transaction
+  per batch. Durability: what :meth:`RunStore.flush` returned from is committed (``finish_run``,
+  ``close``, any synchronous call on the same store and interpreter exit flush first, so a
+  finished run is complete). Before that, a SIGKILL loses the steps queued since the last
+  commit. ``flush_interval_s`` is only how long the writer gathers; the commit then takes the
+  CPU time of preparing and writing the batch (stretched many times on a loaded machine: over a
+  second at load 10) plus any wait for another process's lock, so no wall-clock bound holds.
+  What is bounded is the count: at most ``max_queued_steps`` waiting plus one batch being written
+  (a ``log_step`` beyond that waits for the writer). See :mod:`closedloop.store.writer`.
 - bulk (``record_trajectory``, ``record_trajectories``): finished episodes, written with their
   run rows in one transaction, one vectorised insert per table (:mod:`closedloop.store.batch`).
   A finished episode is either all there or not there at all.
 
 Reading many trajectories back (``iter_trajectories``) is one connection per ``batch_size`` runs
 (the first also selects the runs), never one file open per run.
+
+Where a store may live (``path``, ``create_dirs``): :mod:`closedloop.store.location`. What never
+reaches the file: credentials (:mod:`closedloop.redact`), including the token ids of text they
+were redacted from (:func:`closedloop.store.batch.without_token_ids`).
 """
 
 from __future__ import annotations
@@ -142,8 +155,11 @@ class RunStore:
     """Runs, messages, turns and tool calls in one DuckDB file (or ``":memory:"`` for tests).
 
     ``price_fn(model, prompt_tokens, completion_tokens) -> usd | None`` prices turns whose usage
-    has no cost; the default uses :mod:`closedloop.store.pricing`. ``flush_interval_s`` bounds how
-    long a queued write (:meth:`log_step`) waits before its batch is committed.
+    has no cost; the default uses :mod:`closedloop.store.pricing`. ``flush_interval_s``: how long
+    the background writer gathers queued writes (:meth:`log_step`) before it commits them (not a
+    bound on when they are durable: :meth:`flush` is, see the module docstring);
+    ``max_queued_steps``: how many may wait at most. ``create_dirs``: create a missing directory
+    of ``path`` (the default location's always is), see :mod:`closedloop.store.location`.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, lock_timeout_s: float | None = None,
@@ -467,7 +483,10 @@ class RunStore:
 
     def flush(self) -> None:
         """Commit every queued write now; then raise the first queued write that failed since the
-        last ``flush`` (a :class:`RunStateError` for a step logged to a finished run, say)."""
+        last ``flush`` (a :class:`RunStateError` for a step logged to a finished run, say).
+
+        The ack point of the queued path: when it returns, every step logged before it survives a
+        SIGKILL of this process."""
         self._flush_pending()
         if self._queued_errors:
             errors, self._queued_errors = self._queued_errors, []
