@@ -1348,7 +1348,7 @@ def _export_restored(con: duckdb.DuckDBPyConnection, table: str, column: str, pa
 
     reader = con.sql(f"SELECT * FROM {table} ORDER BY ALL").to_arrow_reader(20_000)
     writer = None
-    try:
+    try:  # the reader is closed here, never left to keep the database open past the store's lock
         for batch in reader:
             columns = {name: batch.column(name) for name in batch.schema.names}
             columns[column] = _restored_column(columns[column], lookup)
@@ -1361,6 +1361,7 @@ def _export_restored(con: duckdb.DuckDBPyConnection, table: str, column: str, pa
             empty[column] = pa.array([], type=pa.string())
             pq.write_table(pa.table(empty), str(path))
     finally:
+        reader.close()
         if writer is not None:
             writer.close()
 
@@ -1374,7 +1375,7 @@ def _export_turns(con: duckdb.DuckDBPyConnection, path: Path, lookup: duckdb.Duc
 
     reader = con.sql("SELECT * FROM turns ORDER BY ALL").to_arrow_reader(20_000)
     writer = None
-    try:
+    try:  # the reader is closed here, never left to keep the database open past the store's lock
         for batch in reader:
             columns = {name: batch.column(name) for name in batch.schema.names}
             columns.update(turn_arrays_to_lists(columns))
@@ -1391,6 +1392,7 @@ def _export_turns(con: duckdb.DuckDBPyConnection, path: Path, lookup: duckdb.Duc
                 empty["message"] = pa.array([], type=pa.string())
             pq.write_table(pa.table(empty), str(path))
     finally:
+        reader.close()
         if writer is not None:
             writer.close()
 
