@@ -34,9 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # a store another process holds: one line naming it, no traceback
-        from closedloop.store import StoreBusyError
+    except Exception as e:  # a store another process holds, or a bad --store path: one line, no traceback
+        from closedloop.store import StoreBusyError, StoreOpenError
 
+        if isinstance(e, StoreOpenError):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         busy = StoreBusyError.within(e)
         if busy is None:
             raise

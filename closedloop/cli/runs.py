@@ -1,7 +1,10 @@
 """``closedloop runs``: list, show, export and prune the run store.
 
-Reads go through :class:`~closedloop.store.RunStore`, which opens the file only per operation, so
-these commands work while an evaluation in another process is writing to the same store.
+Reads go through :class:`~closedloop.store.RunStore`, which opens the file only per operation and
+read-only under a shared lock, so these commands work while an evaluation or a training job in
+another process is writing to the same store, and never see half of a write. A ``--store`` path
+that cannot be a store (a directory, a text file, ``/dev/null``, a missing directory) is one
+line on stderr and exit code 2 (:mod:`closedloop.store.location`).
 ``runs export --format sft|pairs|groups`` writes training rows through
 :mod:`closedloop.store.export`; ``--parquet DIR`` dumps every table.
 """

@@ -7,8 +7,8 @@ from closedloop.store.pricing import Price, cost_usd, price_for, register_price
 from closedloop.store.records import TERMINAL_STATUSES, RunRecord, RunStatus, RunSummary, ToolCallRecord
 from closedloop.store.redact import REDACTED, redact, redact_text
 from closedloop.store.schema import MIGRATIONS, SCHEMA_VERSION, StoreVersionError
-from closedloop.store.store import ActiveRun, RunNotFoundError, RunStateError, RunStore, StoreBusyError
+from closedloop.store.store import ActiveRun, RunNotFoundError, RunStateError, RunStore, StoreBusyError, StoreOpenError
 
 __all__ = ["RunStore", "ActiveRun", "RunRecord", "RunSummary", "ToolCallRecord", "RunStatus", "TERMINAL_STATUSES",
-           "RunNotFoundError", "RunStateError", "StoreBusyError", "StoreVersionError", "SCHEMA_VERSION", "MIGRATIONS",
+           "RunNotFoundError", "RunStateError", "StoreBusyError", "StoreOpenError", "StoreVersionError", "SCHEMA_VERSION", "MIGRATIONS",
            "REDACTED", "redact", "redact_text", "Price", "register_price", "price_for", "cost_usd"]

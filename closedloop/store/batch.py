@@ -6,34 +6,46 @@ counted). The bulk path pays neither per row: everything a run needs is prepared
 serialised, counted) in Python first, collected into columns, and handed to DuckDB as one Arrow
 table per store table (``INSERT ... SELECT`` over a registered Arrow table is a vectorised copy).
 
-``pyarrow`` is imported lazily; it is installed with ``datasets``, a core dependency.
+``pyarrow`` is imported only when a table of a write reaches :data:`SMALL_BATCH` rows, on a thread
+of its own (:func:`arrow_ready`); it is installed with ``datasets``, a core dependency.
+
+Preparation never raises on what a model or a tool produced: text DuckDB cannot store (lone
+surrogates, from bytes decoded with ``surrogateescape``) becomes U+FFFD (:func:`storable`), and
+a tool call whose fields cannot be prepared is stored with an error saying so
+(:func:`prepare_tool_call`), so one hostile call never costs the rows around it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import json
+import os
+import re
+import threading
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import duckdb
+from pydantic_core import PydanticSerializationError
 
 from closedloop.messages import LogprobSpec, Turn, _Message
 from closedloop.store.codec import encode_floats, encode_ids, encode_mask
 from closedloop.store.media import MediaSink, externalize_json, might_hold_media, might_hold_refs
-from closedloop.store.redact import might_hold_secret, redact, redact_arguments, redact_message_json, redact_text
+from closedloop.redact import REDACTED, might_hold_secret, redact, redact_arguments, redact_text, redacted_message_json
 from closedloop.store.schema import MESSAGE_COLUMNS, METRIC_COLUMNS, TOOL_CALL_COLUMNS, TURN_COLUMNS
 
-__all__ = ["gc_paused", "PreparedTurn", "PreparedToolCall", "prepare_turn", "prepare_message", "prepare_episode",
-           "prepare_tool_call", "turn_row", "RUN_COLUMNS", "Rows", "Pricer", "ensure_arrow"]
+__all__ = ["gc_paused", "PreparedTurn", "PreparedToolCall", "PreparedEpisode", "prepare_turn", "prepare_message",
+           "prepare_episode", "prepare_tool_call", "without_token_ids", "TOKEN_IDS_REDACTED", "storable", "turn_row",
+           "RUN_COLUMNS", "Rows", "Pricer", "ensure_arrow", "arrow_ready"]
 
 # The columns a new run row is written with (the rest keep their defaults).
 RUN_COLUMNS = ("id", "kind", "graph", "model_spec", "config", "status", "pid", "hostname", "proc_start", "parent_id",
                "closedloop_version", "started_at", "updated_at", "ended_at", "outcome", "error", "prompt_tokens",
-               "completion_tokens", "cost_usd", "tags", "metadata")
+               "completion_tokens", "cost_usd", "tags", "metadata", "secrets_redacted")
 
 
 @contextlib.contextmanager
@@ -59,7 +71,9 @@ def gc_paused() -> Iterator[None]:
 class PreparedTurn:
     """A turn as the ``turns`` table keeps it, before it has a run position or a price.
 
-    Token ids, logprobs and loss mask are already the BLOBs of :mod:`closedloop.store.codec`."""
+    Token ids, logprobs and loss mask are already the BLOBs of :mod:`closedloop.store.codec`.
+    ``redacted``: a credential was removed from the turn's own text (its message, completion
+    text, ...), so its token ids still encode it (see :func:`without_token_ids`)."""
 
     model: str
     message: str
@@ -78,6 +92,7 @@ class PreparedTurn:
     purpose: str
     unavailable: str | None
     media: str | None = None  # Turn.media as JSON (content addresses); None when the prompt had none
+    redacted: bool = False
 
 
 @dataclass(slots=True)
@@ -91,31 +106,85 @@ class PreparedToolCall:
     latency_s: float | None
 
 
-def _message_json(message: _Message, secrets: list[str], media: MediaSink | None = None) -> str:
-    """Redacted JSON of a message; pydantic's own serialiser (3x faster than dump + json.dumps) when
-    the text cannot hold a secret, the full redaction otherwise. With ``media``, image/audio
-    payloads are moved out first (:mod:`closedloop.store.media`), so the secret check and the
-    redaction never scan base64."""
-    text = message.model_dump_json(exclude_none=True)
+class PreparedEpisode(NamedTuple):
+    """Messages as ``(role, json)`` and turns of one episode (or queued step); ``redacted``: a
+    credential was removed from some message or turn text of it."""
+
+    messages: list[tuple[str, str]]
+    turns: list[PreparedTurn]
+    redacted: bool
+
+
+TOKEN_IDS_REDACTED = ("dropped by the run store: a credential was redacted from this turn's text or from the "
+                      "conversation before it, and its token ids still encoded it")
+
+
+def without_token_ids(turn: PreparedTurn) -> PreparedTurn:
+    """The turn without token ids, logprobs and loss mask, untrainable, with the reason in
+    ``unavailable["token_ids"]``.
+
+    Why drop them instead of replacing the redacted span's tokens by the marker's: the store has
+    no tokenizer (and an API backend's turn has none anywhere), so it cannot tell which ids
+    encode the removed text; and a turn whose text was changed is no longer token-exact, so a
+    trainer must not learn from it anyway. Trainers read the reason where they read a backend's
+    own ``unavailable`` reasons (``Trajectory`` refuses to build training tokens without ids and
+    says why); counts (``prompt_tokens``, ...) and the redacted texts stay.
+    """
+    reasons = json.loads(turn.unavailable) if turn.unavailable else {}
+    reasons["token_ids"] = TOKEN_IDS_REDACTED
+    return dataclasses.replace(turn, prompt_ids=None, completion_ids=None, logprobs=None, loss_mask=None,
+                               trainable=False, unavailable=json.dumps(reasons))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def storable(text: str) -> str:
+    """``text`` with lone surrogates replaced by U+FFFD. A Python string may hold them (bytes
+    decoded with ``surrogateescape``, broken UTF-16 from a tool); DuckDB stores UTF-8 only and
+    would refuse the whole batch they are in."""
+    if text.isascii() or not _SURROGATE.search(text):
+        return text
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def _dump_json(message: _Message) -> str:
+    """The message's JSON; pydantic's own serialiser (3x faster than dump + json.dumps), or, for
+    text it cannot encode (lone surrogates), the same JSON made storable."""
+    try:
+        return message.model_dump_json(exclude_none=True)
+    except PydanticSerializationError:
+        return storable(json.dumps(message.model_dump(mode="json", exclude_none=True), ensure_ascii=False,
+                                   separators=(",", ":")))
+
+
+def _message_json(message: _Message, secrets: list[str], media: MediaSink | None = None) -> tuple[str, bool]:
+    """Redacted JSON of a message and whether anything was redacted; the full redaction only when
+    the text might hold a secret. With ``media``, image/audio payloads are moved out first
+    (:mod:`closedloop.store.media`), so the secret check and the redaction never scan base64."""
+    text = _dump_json(message)
     if media is not None and might_hold_media(text):
         text = externalize_json(text, media)
     if not might_hold_secret(text, secrets):
-        return text
+        return text, False
     return _redacted_message_json(message, secrets, text)
 
 
-def _redacted_message_json(message: _Message, secrets: list[str], text: str | None = None) -> str:
+def _redacted_message_json(message: _Message, secrets: list[str], text: str | None = None) -> tuple[str, bool]:
     """The redacted JSON; ``text``: the message's JSON as prepared, redacted as is when it holds
     media references (so they stay references), else the message is dumped again."""
     if text is not None and might_hold_refs(text):
-        return redact_message_json(json.loads(text), secrets)
-    return redact_message_json(message.model_dump(mode="json", exclude_none=True), secrets)
+        out, redacted = redacted_message_json(json.loads(text), secrets)
+    else:
+        out, redacted = redacted_message_json(message.model_dump(mode="json", exclude_none=True), secrets)
+    return storable(out), redacted
 
 
-def prepare_message(message: _Message, secrets: list[str], media: MediaSink | None = None) -> tuple[str, str]:
-    """(role, redacted JSON); with ``media``, image/audio payloads become references and their
-    bytes go to the sink (the store writes them in the rows' transaction)."""
-    return message.role, _message_json(message, secrets, media)
+def prepare_message(message: _Message, secrets: list[str], media: MediaSink | None = None) -> tuple[str, str, bool]:
+    """(role, redacted JSON, whether anything was redacted); with ``media``, image/audio parts
+    become references and their bytes go to the sink (the store writes them in the rows'
+    transaction)."""
+    return (message.role, *_message_json(message, secrets, media))
 
 
 # LogprobSpec JSON by value: a batch has a handful of distinct specs, each serialised once.
@@ -145,50 +214,61 @@ def _media_json(turn: Turn) -> str | None:
     return "[" + ",".join(r.model_dump_json() for r in turn.media) + "]"
 
 
-def prepare_turn(turn: Turn, secrets: list[str], message_json: str | None = None, *,
+def _json(value: Any) -> str:
+    return storable(json.dumps(value, ensure_ascii=False))
+
+
+def prepare_turn(turn: Turn, secrets: list[str], message_json: str | None = None, *, message_redacted: bool = False,
                  clean: bool = False, unavailable: str | None = None, media: MediaSink | None = None) -> PreparedTurn:
     """Redaction, token counts and the array BLOBs, done before any transaction so the file lock
     is held briefly.
 
     ``message_json``: the turn's message already prepared (it is usually also in the message
-    list of its trajectory), so it is not serialised and redacted twice. Every text field is
-    checked for secrets (token ids, logprobs and the mask are numbers and cannot hold one);
-    ``clean``: the caller has checked them already, with :func:`might_hold_secret` answering no
-    (and passes ``unavailable`` as it serialised it for that check). ``media``: see
-    :func:`prepare_message`.
+    list of its trajectory), so it is not serialised and redacted twice; ``message_redacted``:
+    whether that preparation redacted something. Every text field is checked for secrets (token
+    ids, logprobs and the mask are numbers and cannot hold one); ``clean``: the caller has
+    checked them already, with :func:`might_hold_secret` answering no (and passes
+    ``unavailable`` as it serialised it for that check). ``media``: see :func:`prepare_message`.
+    A turn whose own text lost a secret is returned :func:`without_token_ids`.
     """
     if message_json is None:
-        message_json = _message_json(turn.message, secrets, media)
+        message_json, message_redacted = _message_json(turn.message, secrets, media)
     spec = _spec_json(turn.logprob_spec)
     if unavailable is None and turn.unavailable:
-        unavailable = json.dumps(turn.unavailable)
+        unavailable = _json(turn.unavailable)
     model, finish, purpose, text = turn.model, turn.finish_reason, turn.purpose, turn.completion_text
+    redacted = message_redacted
     if not clean and might_hold_secret(_turn_texts(turn, spec, unavailable), secrets):
         def scrub(value: str | None) -> str | None:
             return redact_text(value, key_values=False, env_secrets=secrets) if value else value
 
+        before = (model, finish, purpose, text)
         model, finish, purpose, text = scrub(model), scrub(finish), scrub(purpose), scrub(text)
+        redacted = redacted or (model, finish, purpose, text) != before
         if turn.logprob_spec is not None:
             spec = turn.logprob_spec.model_copy(update={"backend": scrub(turn.logprob_spec.backend)}).model_dump_json()
         if unavailable is not None:  # keys name fields ("token_ids"), values are free-text reasons
-            unavailable = json.dumps(redact(turn.unavailable, keys=False, env_secrets=secrets))
+            unavailable = _json(redact(turn.unavailable, keys=False, env_secrets=secrets))
     prompt_ids, completion_ids, mask = turn.prompt_ids, turn.completion_ids, turn.loss_mask
     if mask is not None and prompt_ids is not None and completion_ids is not None and \
             len(mask) == len(prompt_ids) + len(completion_ids) and \
             mask == [0] * len(prompt_ids) + [1] * len(completion_ids):
         mask = None  # the default mask (see codec): what Turn fills in, and what a read restores
-    return PreparedTurn(
-        model=model, message=message_json, prompt_ids=encode_ids(prompt_ids, "prompt_ids"),
+    prepared = PreparedTurn(
+        model=storable(model), message=message_json, prompt_ids=encode_ids(prompt_ids, "prompt_ids"),
         completion_ids=encode_ids(completion_ids, "completion_ids"), logprobs=encode_floats(turn.logprobs),
-        loss_mask=encode_mask(mask), completion_text=text, finish_reason=finish,
+        loss_mask=encode_mask(mask), completion_text=storable(text) if text else text,
+        finish_reason=storable(finish) if finish else finish,
         prompt_tokens=turn.usage.prompt_tokens or len(prompt_ids or ()),
         completion_tokens=turn.usage.completion_tokens or len(completion_ids or ()),
         cost_usd=turn.usage.cost_usd, latency_s=turn.latency_s, logprob_spec=spec,
-        trainable=turn.trainable, purpose=purpose, unavailable=unavailable, media=_media_json(turn))
+        trainable=turn.trainable, purpose=storable(purpose), unavailable=unavailable, media=_media_json(turn),
+        redacted=redacted)
+    return without_token_ids(prepared) if redacted else prepared
 
 
 def prepare_episode(messages: Sequence[_Message], turns: Sequence[Turn], secrets: list[str],
-                    media: MediaSink | None = None) -> tuple[list[tuple[str, str]], list[PreparedTurn]]:
+                    media: MediaSink | None = None) -> PreparedEpisode:
     """Messages and turns of one episode; a turn's message that is also in ``messages`` (the same
     object, as graphs and environments produce them) is serialised once.
 
@@ -197,37 +277,87 @@ def prepare_episode(messages: Sequence[_Message], turns: Sequence[Turn], secrets
     secret contains, so nothing can match across a boundary) clears the common episode without
     a credential in one pass; otherwise each text is checked and redacted on its own.
 
+    Token ids: a turn's prompt holds every message before its own, so once a message lost a
+    secret, that turn and every later one lose their ids (:func:`without_token_ids`); a turn
+    whose message is not in ``messages`` cannot be placed and loses them if any message did.
+    Earlier steps of the same run are the caller's to account for (``PreparedEpisode.redacted``).
+
     ``media``: image/audio payloads become references, bytes to the sink, before any secret check
     (a text without media parts pays one substring test).
     """
-    jsons = [m.model_dump_json(exclude_none=True) for m in messages]
+    jsons = [_dump_json(m) for m in messages]
     by_id = {id(m): i for i, m in enumerate(messages)}
-    turn_jsons = [None if id(t.message) in by_id else t.message.model_dump_json(exclude_none=True) for t in turns]
+    turn_jsons = [None if id(t.message) in by_id else _dump_json(t.message) for t in turns]
     if media is not None:
         jsons = [externalize_json(js, media) if might_hold_media(js) else js for js in jsons]
         turn_jsons = [externalize_json(js, media) if js is not None and might_hold_media(js) else js
                       for js in turn_jsons]
-    unavailable = [json.dumps(t.unavailable) if t.unavailable else None for t in turns]
+    unavailable = [_json(t.unavailable) if t.unavailable else None for t in turns]
     texts = [*jsons, *(j for j in turn_jsons if j is not None),
              *(_turn_texts(t, _spec_json(t.logprob_spec), u) for t, u in zip(turns, unavailable))]
-    clean = not might_hold_secret("\0".join(texts), secrets)
-    if not clean:
-        jsons = [js if not might_hold_secret(js, secrets) else _redacted_message_json(m, secrets, js)
-                 for m, js in zip(messages, jsons)]
-        turn_jsons = [js if js is None or not might_hold_secret(js, secrets)
-                      else _redacted_message_json(t.message, secrets, js) for t, js in zip(turns, turn_jsons)]
-    prepared_messages = [(m.role, js) for m, js in zip(messages, jsons)]
-    return prepared_messages, [prepare_turn(t, secrets, js if js is not None else jsons[by_id[id(t.message)]],
-                                            clean=clean, unavailable=u)
-                               for t, js, u in zip(turns, turn_jsons, unavailable)]
+    if not might_hold_secret("\0".join(texts), secrets):
+        return PreparedEpisode([(m.role, js) for m, js in zip(messages, jsons)],
+                               [prepare_turn(t, secrets, js if js is not None else jsons[by_id[id(t.message)]],
+                                             clean=True, unavailable=u)
+                                for t, js, u in zip(turns, turn_jsons, unavailable)], False)
+    checked = [_redacted_message_json(m, secrets, js) if might_hold_secret(js, secrets) else (js, False)
+               for m, js in zip(messages, jsons)]
+    first = next((i for i, (_, redacted) in enumerate(checked) if redacted), None)
+    prepared = []
+    for t, js, u in zip(turns, turn_jsons, unavailable):
+        at = by_id.get(id(t.message))
+        if js is None:
+            own, own_redacted = checked[at] if at is not None else (js, False)
+        else:
+            own, own_redacted = _redacted_message_json(t.message, secrets, js) if might_hold_secret(js, secrets) \
+                else (js, False)
+        after_secret = first is not None and (at is None or first <= at)
+        prepared.append(prepare_turn(t, secrets, own, message_redacted=own_redacted or after_secret, unavailable=u))
+    return PreparedEpisode([(m.role, js) for m, (js, _) in zip(messages, checked)], prepared,
+                           first is not None or any(p.redacted for p in prepared))
+
+
+def _number_or_none(value: Any) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+UNRECORDABLE = "unrecordable"  # ToolCallRecord.error_kind of a call whose fields the store could not keep
 
 
 def prepare_tool_call(call_id: str | None, name: str, arguments: str, content: str, error: str | None,
                       error_kind: str | None, latency_s: float | None, secrets: list[str]) -> PreparedToolCall:
-    return PreparedToolCall(call_id=call_id, name=name, arguments=redact_arguments(arguments, env_secrets=secrets),
-                            result=redact_text(content, key_values=False, env_secrets=secrets),
-                            error=redact_text(error, env_secrets=secrets) if error else None,
-                            error_kind=error_kind, latency_s=latency_s)
+    """A tool call's row, redacted. Never raises: a field that cannot be prepared (a type no
+    tool should return, a bug in a redaction rule meeting hostile input) is stored as
+    ``[REDACTED]`` and the call gets an error naming it (``error_kind="unrecordable"`` unless the
+    call already failed), so that call alone shows the problem and its batch is written."""
+    failed: list[str] = []
+
+    def field(label: str, prepare: Callable[[Any], str], value: Any) -> str:
+        try:
+            return storable(prepare(value))
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            failed.append(f"{label} ({type(e).__name__})")
+            return REDACTED
+
+    def pattern_only(value: Any) -> str:
+        return redact_text(value, key_values=False, env_secrets=secrets)
+
+    row = PreparedToolCall(
+        call_id=field("call id", pattern_only, call_id) if call_id is not None else None,
+        name=field("name", pattern_only, name),
+        arguments=field("arguments", lambda v: redact_arguments(v, env_secrets=secrets), arguments),
+        result=field("result", pattern_only, content),
+        error=field("error", lambda v: redact_text(v, env_secrets=secrets), error) if error else None,
+        error_kind=field("error kind", pattern_only, error_kind) if error_kind is not None else None,
+        latency_s=_number_or_none(latency_s))
+    if failed:
+        note = f"the run store could not record this call's {', '.join(failed)}"
+        row.error = f"{row.error}; {note}" if row.error else note
+        row.error_kind = row.error_kind or UNRECORDABLE
+    return row
 
 
 class Pricer:
@@ -260,17 +390,21 @@ def turn_row(run_id: str, idx: int, t: PreparedTurn, cost: float | None, now: da
 
 
 _ARROW_READY = False
+_ARROW_WARMING: threading.Thread | None = None
+_ARROW_LOCK = threading.Lock()
 # Below this many rows a table is inserted with ``executemany``: cheaper than building an Arrow
-# table, and it needs no pyarrow at all (see :func:`ensure_arrow`).
+# table, and it needs no pyarrow at all (see :func:`arrow_ready`).
 SMALL_BATCH = 32
+# From this many rows a table waits for pyarrow instead of taking ``executemany`` meanwhile:
+# executemany costs a few hundred µs a row, the import about 0.4 s of CPU.
+LARGE_BATCH = 2000
 
 
 def ensure_arrow() -> bool:
     """Import pyarrow and what its first conversion imports (pandas, through its shim); True if ready.
 
-    A first import during interpreter exit fails ("can't register atexit after shutdown"), so the
-    queue's final flush must not be the first user: the store warms this up on the writer thread
-    when it starts and before bulk writes; until it is ready, inserts take the ``executemany`` path.
+    Runs on its own thread (:func:`arrow_ready`); a first import during interpreter exit fails
+    ("can't register atexit after shutdown"), and then the inserts take the ``executemany`` path.
     """
     global _ARROW_READY
     if not _ARROW_READY:
@@ -285,6 +419,39 @@ def ensure_arrow() -> bool:
     return True
 
 
+def arrow_ready(*, wait: bool) -> bool:
+    """True once pyarrow is imported and warmed up. Otherwise the import starts on a thread of its
+    own (once per process), so the caller's thread (an event loop, a trainer's step) never pays
+    it; ``wait`` waits for it (a table so large that ``executemany`` would cost more). False when
+    pyarrow cannot be had (not installed, or the interpreter is exiting)."""
+    global _ARROW_WARMING
+    if _ARROW_READY:
+        return True
+    with _ARROW_LOCK:
+        thread = _ARROW_WARMING
+        if thread is None:
+            thread = threading.Thread(target=ensure_arrow, name="closedloop-arrow-import", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # no new threads at interpreter shutdown
+                return False
+            _ARROW_WARMING = thread
+    if wait and thread is not threading.current_thread():
+        thread.join()
+    return _ARROW_READY
+
+
+def _forget_warming_in_child() -> None:
+    global _ARROW_WARMING, _ARROW_LOCK
+    _ARROW_LOCK = threading.Lock()
+    if not _ARROW_READY:
+        _ARROW_WARMING = None  # an import under way at fork time never finishes in the child
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_warming_in_child)
+
+
 @functools.lru_cache(maxsize=1)
 def _arrow_types() -> dict[str, dict[str, Any]]:
     import pyarrow as pa
@@ -296,7 +463,7 @@ def _arrow_types() -> dict[str, dict[str, Any]]:
                  "proc_start": pa.int64(), "parent_id": pa.string(), "closedloop_version": pa.string(),
                  "started_at": ts, "updated_at": ts, "ended_at": ts, "outcome": pa.string(), "error": pa.string(),
                  "prompt_tokens": pa.int64(), "completion_tokens": pa.int64(), "cost_usd": pa.float64(),
-                 "tags": pa.list_(pa.string()), "metadata": pa.string()},
+                 "tags": pa.list_(pa.string()), "metadata": pa.string(), "secrets_redacted": pa.bool_()},
         "messages": {"run_id": pa.string(), "idx": pa.int32(), "role": pa.string(), "json": pa.string()},
         "turns": {"run_id": pa.string(), "idx": pa.int32(), "model": pa.string(), "message": pa.string(),
                   "prompt_ids": pa.binary(), "completion_ids": pa.binary(), "logprobs": pa.binary(),
@@ -341,12 +508,18 @@ class Rows:
         self.tables[table] = [r for r in self.tables[table] if r[0] != run_id]
 
     def insert(self, con: duckdb.DuckDBPyConnection) -> None:
+        """One statement per table. ``metrics`` rows replace those of the same (run, step, name)
+        (its primary key): a resumed trainer logging a step again leaves one row, the latest."""
         for table, rows in self.tables.items():
             if not rows:
                 continue
             names = ", ".join(_COLUMNS[table])
-            if len(rows) < SMALL_BATCH or not _ARROW_READY:
-                con.executemany(f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' * len(_COLUMNS[table]))})",
+            verb = "INSERT"
+            if table == "metrics":
+                verb = "INSERT OR REPLACE"  # one statement may not touch a key twice: the last row wins
+                rows = list({(r[0], r[1], r[2]): r for r in rows}.values())
+            if len(rows) < SMALL_BATCH or not arrow_ready(wait=len(rows) >= LARGE_BATCH):
+                con.executemany(f"{verb} INTO {table} ({names}) VALUES ({', '.join('?' * len(_COLUMNS[table]))})",
                                 [list(r) for r in rows])
                 continue
             import pyarrow as pa
@@ -359,7 +532,7 @@ class Rows:
             _finish_pending(con)
             con.register(view, arrow)
             try:
-                con.execute(f"INSERT INTO {table} ({names}) SELECT {names} FROM {view}")
+                con.execute(f"{verb} INTO {table} ({names}) SELECT {names} FROM {view}")
             finally:
                 _finish_pending(con)
                 con.unregister(view)

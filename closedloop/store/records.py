@@ -76,6 +76,9 @@ class RunSummary(BaseModel):
     cost_usd: float | None = None
     tags: list[str] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # A credential was redacted from the run's messages or turns; turns from that point on keep no
+    # token ids (Turn.unavailable says so), since the ids would decode back to it.
+    secrets_redacted: bool = False
 
     @property
     def duration_s(self) -> float | None:

@@ -7,6 +7,7 @@ the version bump, so a crash mid-migration leaves the file at the last complete 
 
 from __future__ import annotations
 
+import json
 from typing import Callable
 
 import duckdb
@@ -14,7 +15,7 @@ import duckdb
 from closedloop.store.records import utcnow
 
 __all__ = ["SCHEMA_VERSION", "MIGRATIONS", "TABLES", "TURN_COLUMNS", "MESSAGE_COLUMNS", "TOOL_CALL_COLUMNS",
-           "METRIC_COLUMNS", "StoreVersionError", "migrate", "current_version"]
+           "METRIC_COLUMNS", "StoreVersionError", "migrate", "current_version", "version_on_file", "target_version"]
 
 
 class StoreVersionError(RuntimeError):
@@ -218,7 +219,45 @@ def _v3_to_v4(con: duckdb.DuckDBPyConnection) -> None:
                 con.executemany(f"UPDATE {table} SET {column} = ? WHERE rowid = ?", updates)
 
 
-MIGRATIONS: list[Callable[[duckdb.DuckDBPyConnection], None]] = [_v0_to_v1, _v1_to_v2, _v2_to_v3, _v3_to_v4]
+def _v4_to_v5(con: duckdb.DuckDBPyConnection) -> None:
+    """Metrics keyed by (run, step, name), and token ids of redacted text dropped.
+
+    ``metrics`` gets a primary key, so a resumed trainer that logs a replayed step again
+    replaces the row instead of adding a duplicate (writes use ``INSERT OR REPLACE``); rows
+    already duplicated keep the latest (the value :meth:`RunStore.metrics` already showed).
+    ``runs.secrets_redacted`` marks runs from whose messages or turns a credential was removed;
+    their turns keep no token ids (they would decode back to the credential, see
+    :func:`closedloop.store.batch.without_token_ids`). Runs of an older file are judged by the
+    marker in their stored text, and all their turns lose their ids.
+    """
+    from closedloop.store.batch import TOKEN_IDS_REDACTED
+
+    con.execute("""CREATE TABLE metrics_v5 (
+        run_id VARCHAR NOT NULL,
+        step BIGINT NOT NULL,
+        name VARCHAR NOT NULL,
+        value DOUBLE,
+        created_at TIMESTAMP NOT NULL,
+        PRIMARY KEY (run_id, step, name)
+    )""")
+    con.execute("INSERT INTO metrics_v5 SELECT run_id, step, name, value, created_at FROM metrics "
+                "QUALIFY row_number() OVER (PARTITION BY run_id, step, name ORDER BY created_at DESC, rowid DESC) = 1")
+    con.execute("DROP TABLE metrics")
+    con.execute("ALTER TABLE metrics_v5 RENAME TO metrics")
+    con.execute("ALTER TABLE runs ADD COLUMN secrets_redacted BOOLEAN DEFAULT false")
+    con.execute("UPDATE runs SET secrets_redacted = true WHERE id IN ("
+                "SELECT run_id FROM messages WHERE contains(json::VARCHAR, '[REDACTED]') UNION "
+                "SELECT run_id FROM turns WHERE contains(message::VARCHAR, '[REDACTED]') "
+                "OR contains(completion_text, '[REDACTED]'))")
+    con.execute("UPDATE turns SET prompt_ids = NULL, completion_ids = NULL, logprobs = NULL, loss_mask = NULL, "
+                "trainable = false, unavailable = json_merge_patch(coalesce(unavailable, '{}'), ?::JSON) "
+                "WHERE run_id IN (SELECT id FROM runs WHERE secrets_redacted) "
+                "AND (prompt_ids IS NOT NULL OR completion_ids IS NOT NULL)",
+                [json.dumps({"token_ids": TOKEN_IDS_REDACTED})])
+
+
+MIGRATIONS: list[Callable[[duckdb.DuckDBPyConnection], None]] = [_v0_to_v1, _v1_to_v2, _v2_to_v3, _v3_to_v4,
+                                                                  _v4_to_v5]
 TABLES = ("runs", "messages", "turns", "tool_calls", "metrics")
 # ``turns`` as version 3 left it (the v2 -> v3 copy names exactly these).
 _TURN_COLUMNS_V3 = ("run_id", "idx", "model", "message", "prompt_ids", "completion_ids", "logprobs", "loss_mask",
@@ -239,6 +278,29 @@ def _schema_version() -> int:
 SCHEMA_VERSION = _schema_version()
 
 
+def target_version() -> int:
+    """The version this closedloop writes (read at call time so a test or plugin can append a step)."""
+    return len(MIGRATIONS)
+
+
+def version_on_file(con: duckdb.DuckDBPyConnection) -> int:
+    """The file's version without writing (0 for a file without the version table); a file newer
+    than this closedloop raises :class:`StoreVersionError`."""
+    if not con.execute("SELECT 1 FROM duckdb_tables() WHERE table_name = 'schema_version' AND "
+                       "schema_name = 'main'").fetchone():
+        return 0
+    row = con.execute("SELECT max(version) FROM schema_version").fetchone()
+    version = int(row[0]) if row and row[0] is not None else 0
+    _refuse_newer(version, target_version())
+    return version
+
+
+def _refuse_newer(version: int, target: int) -> None:
+    if version > target:
+        raise StoreVersionError(f"run store schema is version {version}, but this closedloop knows only "
+                                f"up to {target}; upgrade closedloop to read it")
+
+
 def current_version(con: duckdb.DuckDBPyConnection) -> int:
     con.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL, applied_at TIMESTAMP NOT NULL)")
     row = con.execute("SELECT max(version) FROM schema_version").fetchone()
@@ -252,9 +314,7 @@ def migrate(con: duckdb.DuckDBPyConnection) -> int:
         con.execute("BEGIN TRANSACTION")
         try:
             version = current_version(con)
-            if version > target:
-                raise StoreVersionError(f"run store schema is version {version}, but this closedloop knows only "
-                                        f"up to {target}; upgrade closedloop to read it")
+            _refuse_newer(version, target)
             if version == target:
                 con.execute("COMMIT")
                 return version

@@ -3,8 +3,12 @@
 DuckDB lets one process at a time open a file for writing, so the store never holds the file
 between operations: each logical write opens a connection, runs inside BEGIN/COMMIT and closes.
 Another process (``closedloop runs list`` next to a running eval) then gets its turn between
-writes; a connection that finds the file locked retries with backoff until ``lock_timeout_s``.
-A crash mid-write loses only the uncommitted transaction, never leaves half of one.
+writes. Every open goes through the store's own lock first (:mod:`closedloop.store.lock`):
+exclusive for a write, shared for a read (readers open the file ``read_only`` and may read
+together); DuckDB 2 reads the file's header before it locks the file, and this lock is what keeps
+another process from checkpointing in between. A lock held elsewhere is waited for, with
+backoff, until ``lock_timeout_s`` (then :class:`StoreBusyError`, naming the holder). A crash
+mid-write loses only the uncommitted transaction, never leaves half of one.
 
 Opening the file costs tens of milliseconds, so there are three ways to write, by cost:
 
@@ -12,16 +16,25 @@ Opening the file costs tens of milliseconds, so there are three ways to write, b
   connection and one transaction per call, committed when the call returns. Simple, and what
   scripts and tests use; too slow to call per step from an event loop.
 - queued (``log_step``, used by :class:`~closedloop.runtime.recording.StoreRecorder`): appended
-  to an in-process queue in microseconds and committed by a background thread in one
-  transaction per ``flush_interval_s`` (see :mod:`closedloop.store.writer` for the trade-off: a
-  SIGKILLed process loses at most its last interval; ``finish_run``, ``close``, any synchronous
-  call on the same store and interpreter exit flush first, so a finished run is complete).
+  to an in-process queue in microseconds and committed by a background thread, one transaction
+  per batch. Durability: what :meth:`RunStore.flush` returned from is committed (``finish_run``,
+  ``close``, any synchronous call on the same store and interpreter exit flush first, so a
+  finished run is complete). Before that, a SIGKILL loses the steps queued since the last
+  commit. ``flush_interval_s`` is only how long the writer gathers; the commit then takes the
+  CPU time of preparing and writing the batch (stretched many times on a loaded machine: over a
+  second at load 10) plus any wait for another process's lock, so no wall-clock bound holds.
+  What is bounded is the count: at most ``max_queued_steps`` waiting plus one batch being written
+  (a ``log_step`` beyond that waits for the writer). See :mod:`closedloop.store.writer`.
 - bulk (``record_trajectory``, ``record_trajectories``): finished episodes, written with their
   run rows in one transaction, one vectorised insert per table (:mod:`closedloop.store.batch`).
   A finished episode is either all there or not there at all.
 
 Reading many trajectories back (``iter_trajectories``) is one connection per ``batch_size`` runs
 (the first also selects the runs), never one file open per run.
+
+Where a store may live (``path``, ``create_dirs``): :mod:`closedloop.store.location`. What never
+reaches the file: credentials (:mod:`closedloop.redact`), including the token ids of text they
+were redacted from (:func:`closedloop.store.batch.without_token_ids`).
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ import json
 import math
 import os
 import random
-import re
+import sys
 import threading
 import time
 import traceback
@@ -53,88 +66,30 @@ from closedloop.config import default_store_path
 from closedloop.messages import (AssistantMessage, LogprobSpec, MediaRef, Message, ToolCall, Trajectory, Turn, Usage,
                                  _Message, parse_messages)
 from closedloop.store import pricing
-from closedloop.store.batch import (PreparedToolCall, PreparedTurn, Pricer, Rows, ensure_arrow, gc_paused,
-                                    prepare_episode, prepare_message, prepare_tool_call, prepare_turn, turn_row)
+from closedloop.store.batch import (PreparedEpisode, PreparedToolCall, PreparedTurn, Pricer, Rows, gc_paused,
+                                    prepare_episode, prepare_message, prepare_tool_call, prepare_turn, storable,
+                                    turn_row, without_token_ids)
 from closedloop.store.codec import decode_turn_arrays, turn_arrays_to_lists
 from closedloop.store.media import (MediaMode, MediaSink, Restorer, collect_garbage, fetch_media, referenced_hashes,
                                     write_media)
 from closedloop.store.process import hostname, pid_alive, process_start
 from closedloop.store.records import (TERMINAL_STATUSES, RunRecord, RunSummary, ToolCallRecord, reward_dict,
                                       trajectory_metadata, utcnow)
-from closedloop.store.redact import _env_secrets, might_hold_secret, redact, redact_spec, redact_text
-from closedloop.store.schema import TABLES, TURN_COLUMNS, migrate
-from closedloop.store.writer import BackgroundWriter
+from closedloop.redact import env_secrets as _env_secrets
+from closedloop.redact import might_hold_secret, redact, redact_spec, redact_text
+from closedloop.store.errors import (LOCK_TIMEOUT_ENV, RunNotFoundError, RunStateError, StoreBusyError,
+                                     StoreOpenError)
+from closedloop.store.lock import LockTimeout, StoreLock
+from closedloop.store.location import check_store_path
+from closedloop.store.schema import TABLES, TURN_COLUMNS, migrate, target_version, version_on_file
+from closedloop.store.writer import BackgroundWriter, PartialBatch
 from closedloop.tool import ToolResult
 
-__all__ = ["RunStore", "ActiveRun", "RunNotFoundError", "RunStateError", "StoreBusyError"]
+__all__ = ["RunStore", "ActiveRun", "RunNotFoundError", "RunStateError", "StoreBusyError", "StoreOpenError"]
 
 T = TypeVar("T")
 _MAX_ERROR_CHARS = 20_000
-
-
-class RunNotFoundError(KeyError):
-    """No run with that id (or id prefix)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
-
-
-class RunStateError(RuntimeError):
-    """The run is not in a state that allows the operation (e.g. logging to a finished run)."""
-
-
-class StoreBusyError(RuntimeError):
-    """Another process held the store's lock for longer than ``lock_timeout_s``.
-
-    ``pid`` and ``command`` name the holder when DuckDB reports it (and ``/proc`` shows its command
-    line); the message is one line, meant to be printed as is (the CLI does, without a traceback).
-    """
-
-    def __init__(self, message: str, *, pid: int | None = None, command: str | None = None,
-                 waited_s: float | None = None) -> None:
-        super().__init__(message)
-        self.pid, self.command, self.waited_s = pid, command, waited_s
-
-    @classmethod
-    def locked(cls, path: Any, waited_s: float, duckdb_message: str) -> "StoreBusyError":
-        m = _LOCK_PID.search(duckdb_message)
-        pid = int(m.group(1)) if m else None
-        command = _command_line(pid) if pid is not None else None
-        who = f"pid {pid}" + (f" ({command})" if command else "") if pid is not None else "another process"
-        return cls(f"run store {path} is held by {who} and stayed locked for {waited_s:g} s; wait for it to "
-                   f"finish, or wait longer with {LOCK_TIMEOUT_ENV}=<seconds>", pid=pid, command=command,
-                   waited_s=waited_s)
-
-    @staticmethod
-    def within(error: BaseException | None) -> "StoreBusyError | None":
-        """The StoreBusyError behind ``error`` (itself, a cause or context, or one in an exception group)."""
-        seen: set[int] = set()
-        stack = [error]
-        while stack:
-            e = stack.pop()
-            if e is None or id(e) in seen:
-                continue
-            seen.add(id(e))
-            if isinstance(e, StoreBusyError):
-                return e
-            stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-        return None
-
-
-LOCK_TIMEOUT_ENV = "CLOSEDLOOP_STORE_LOCK_TIMEOUT"
 _DEFAULT_LOCK_TIMEOUT_S = 15.0
-_LOCK_PID = re.compile(r"\(PID (\d+)\)")
-
-
-def _command_line(pid: int, limit: int = 200) -> str | None:
-    """The holder's command line from ``/proc`` (Linux), shortened; None where it cannot be read."""
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    text = " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
-    text = redact_text(" ".join(text.split()))  # one line, and no key typed on its command line
-    return (text[:limit] + "...") if len(text) > limit else (text or None)
 
 
 def _lock_timeout_from_env() -> float:
@@ -160,7 +115,10 @@ def _jsonable(value: Any) -> Any:
         value = dataclasses.asdict(value)
     elif isinstance(value, Mapping):
         value = dict(value)
-    return json.loads(json.dumps(value, default=str))
+    try:
+        return json.loads(json.dumps(value, default=str))
+    except (ValueError, RecursionError) as e:  # an int past Python's digit limit, nesting past the recursion limit
+        raise ValueError(f"cannot store this value as JSON: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _redacted_json(value: Any, secrets: list[str], *, keys: bool = True, key_values: bool = True) -> str:
@@ -168,14 +126,14 @@ def _redacted_json(value: Any, secrets: list[str], *, keys: bool = True, key_val
     hold anything to redact (:func:`~closedloop.store.redact.might_hold_secret`), the usual case."""
     if not isinstance(value, dict):
         value = _jsonable(value)
-    text = json.dumps(value, default=str)
+    text = storable(json.dumps(value, default=str, ensure_ascii=False))
     if not might_hold_secret(text, secrets):
         return text
-    return json.dumps(redact(json.loads(text), keys=keys, key_values=key_values, env_secrets=secrets))
+    return _dumps(redact(json.loads(text), keys=keys, key_values=key_values, env_secrets=secrets)) or "null"
 
 
 def _dumps(value: Any) -> str | None:
-    return None if value is None else json.dumps(value)
+    return None if value is None else storable(json.dumps(value, ensure_ascii=False))
 
 
 def _loads(value: Any) -> Any:
@@ -197,35 +155,57 @@ class RunStore:
     """Runs, messages, turns and tool calls in one DuckDB file (or ``":memory:"`` for tests).
 
     ``price_fn(model, prompt_tokens, completion_tokens) -> usd | None`` prices turns whose usage
-    has no cost; the default uses :mod:`closedloop.store.pricing`. ``flush_interval_s`` bounds how
-    long a queued write (:meth:`log_step`) waits before its batch is committed.
+    has no cost; the default uses :mod:`closedloop.store.pricing`. ``flush_interval_s``: how long
+    the background writer gathers queued writes (:meth:`log_step`) before it commits them (not a
+    bound on when they are durable: :meth:`flush` is, see the module docstring);
+    ``max_queued_steps``: how many may wait at most. ``create_dirs``: create a missing directory
+    of ``path`` (the default location's always is), see :mod:`closedloop.store.location`.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, lock_timeout_s: float | None = None,
                  price_fn: pricing.PriceFn | None = None, detect_killed: bool = True,
-                 flush_interval_s: float = 0.1) -> None:
+                 flush_interval_s: float = 0.1, max_queued_steps: int = 1024, create_dirs: bool = False) -> None:
         if lock_timeout_s is None:  # $CLOSEDLOOP_STORE_LOCK_TIMEOUT, else 15 s
             lock_timeout_s = _lock_timeout_from_env()
         if not lock_timeout_s >= 0:
             raise ValueError("lock_timeout_s must be >= 0")
         if not (flush_interval_s >= 0 and math.isfinite(flush_interval_s)):
             raise ValueError("flush_interval_s must be a finite number >= 0")
+        if isinstance(max_queued_steps, bool) or not isinstance(max_queued_steps, int) or max_queued_steps < 1:
+            raise ValueError("max_queued_steps must be an int >= 1")
         self.lock_timeout_s = lock_timeout_s
         self.price_fn = price_fn or pricing.cost_usd
         self.detect_killed = detect_killed
         self.flush_interval_s = flush_interval_s
+        self.max_queued_steps = max_queued_steps
         self._writer: BackgroundWriter | None = None
         self._queued_errors: list[BaseException] = []
         self._memory: duckdb.DuckDBPyConnection | None = None
+        self._memory_lock = threading.Lock()  # one transaction at a time, as the file's lock gives
         if str(path) == ":memory:":
             self.path: Path | str = ":memory:"
             self._memory = duckdb.connect(":memory:")
         else:
-            self.path = Path(path).expanduser() if path is not None else default_store_path()
-            if self.path.exists() and self.path.is_dir():
-                raise ValueError(f"run store path {self.path} is a directory; give a file such as runs.duckdb")
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tx(self._reap, before=migrate)  # "on open": a dead writer's runs show as killed at once
+            # The default location is closedloop's own directory and is created; a path the caller
+            # names must be in an existing directory unless the caller asks (create_dirs).
+            self.path = check_store_path(Path(path).expanduser() if path is not None else default_store_path(),
+                                         create_dirs=create_dirs or path is None)
+            self._lock = StoreLock(self.path)
+        self._open()
+
+    def _open(self) -> None:
+        """Bring the file up to date and mark dead writers' runs killed ("on open"). A file already
+        at this version with no dead run needs only the shared lock, so opening a store to read it
+        (``closedloop runs show`` beside a training job) never waits for the writer's lock."""
+        try:
+            if isinstance(self.path, Path) and self.path.exists() and self._tx(self._up_to_date, read_only=True):
+                return
+            self._tx(self._reap, before=migrate)
+        except duckdb.IOException as e:  # after check_store_path: a damaged file, a full or read-only disk
+            raise StoreOpenError(f"run store {self.path} cannot be opened: {str(e).splitlines()[0]}") from None
+
+    def _up_to_date(self, con: duckdb.DuckDBPyConnection) -> bool:
+        return version_on_file(con) == target_version() and not self._dead_runs(con)
 
     def __repr__(self) -> str:
         return f"RunStore({str(self.path)!r})"
@@ -233,39 +213,71 @@ class RunStore:
     # ------------------------------------------------------------------ connections
 
     @contextmanager
-    def _connect(self, deadline: float | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
+    def _connect(self, deadline: float | None = None, *, read_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A connection for one transaction, under the store's lock (:mod:`closedloop.store.lock`):
+        shared and ``read_only`` for reads, exclusive for writes; closed (DuckDB checkpoints on
+        close) before the lock is released."""
+        deadline = deadline if deadline is not None else time.monotonic() + self.lock_timeout_s
         if self._memory is not None:
-            con = self._memory.cursor()
-        else:
-            deadline = deadline if deadline is not None else time.monotonic() + self.lock_timeout_s
-            delay = 0.005
-            while True:
+            if not self._memory_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise StoreBusyError(f"run store {self.path}: another thread held it for {self.lock_timeout_s:g} s",
+                                     waited_s=self.lock_timeout_s)
+            try:
+                con = self._memory.cursor()
                 try:
-                    con = duckdb.connect(str(self.path))
-                    break
-                except duckdb.IOException as e:
-                    if "lock" not in str(e).lower():
-                        raise
-                    if time.monotonic() >= deadline:
-                        raise StoreBusyError.locked(self.path, self.lock_timeout_s, str(e)) from None
-                    time.sleep(delay * (0.5 + random.random()))
-                    delay = min(delay * 2, 0.2)
+                    yield con
+                finally:
+                    con.close()
+            finally:
+                self._memory_lock.release()
+            return
         try:
-            yield con
-        finally:
-            con.close()
+            held = self._lock.hold(shared=read_only, deadline=deadline)
+            held.__enter__()
+        except LockTimeout as e:
+            raise StoreBusyError.held(self.path, self.lock_timeout_s, e.holders[0] if e.holders else None) from None
+        except OSError as e:  # the lock file beside the store cannot be created or opened
+            raise StoreOpenError(f"run store {self.path}: cannot use its lock file {self._lock.path}: "
+                                 f"{e.strerror or e}") from None
+        try:
+            con = self._open_file(deadline, read_only)
+            try:
+                yield con
+            finally:
+                con.close()
+        except BaseException:
+            if not held.__exit__(*sys.exc_info()):
+                raise
+        else:
+            held.__exit__(None, None, None)
+
+    def _open_file(self, deadline: float, read_only: bool) -> duckdb.DuckDBPyConnection:
+        """``duckdb.connect``, waiting for a process outside the lock protocol (a ``duckdb`` shell
+        on the file) that holds DuckDB's own lock."""
+        delay = 0.005
+        while True:
+            try:
+                return duckdb.connect(str(self.path), read_only=read_only)
+            except duckdb.IOException as e:
+                if "lock" not in str(e).lower():
+                    raise
+                if time.monotonic() >= deadline:
+                    raise StoreBusyError.locked(self.path, self.lock_timeout_s, str(e)) from None
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 0.2)
 
     def _tx(self, fn: Callable[[duckdb.DuckDBPyConnection], T],
-            before: Callable[[duckdb.DuckDBPyConnection], Any] | None = None) -> T:
+            before: Callable[[duckdb.DuckDBPyConnection], Any] | None = None, *, read_only: bool = False) -> T:
         """Run ``fn`` in one transaction; a write-write conflict with another thread is retried whole.
 
         ``before`` runs on the same connection outside the transaction (migrations manage their own).
+        ``read_only``: a read under the shared lock (``fn`` must not write).
         """
         deadline = time.monotonic() + self.lock_timeout_s
         delay = 0.005
         while True:
             try:
-                with self._connect(deadline) as con:
+                with self._connect(deadline, read_only=read_only) as con:
                     if before is not None:
                         before(con)
                     con.execute("BEGIN TRANSACTION")
@@ -289,6 +301,22 @@ class RunStore:
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 0.2)
 
+    def _read(self, fn: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
+        """``fn`` under the shared lock on a read-only connection. Runs whose writer died are marked
+        ``killed`` first (that is a write: it takes the exclusive lock, and only when there are
+        such runs), so a read never shows a dead run as running."""
+        def read(con: duckdb.DuckDBPyConnection) -> tuple[bool, T | None]:
+            if self._dead_runs(con):
+                return True, None
+            return False, fn(con)
+
+        for _ in range(3):
+            dead, result = self._tx(read, read_only=True)
+            if not dead:
+                return result  # type: ignore[return-value]
+            self._tx(self._reap)
+        return self._tx(fn, read_only=True)  # runs keep dying as we look: show them as they are
+
     # ------------------------------------------------------------------ runs
 
     def start_run(self, *, kind: str = "run", graph: str | None = None, model_spec: str | None = None,
@@ -304,7 +332,8 @@ class RunStore:
         if not isinstance(cfg, dict) or not isinstance(meta, dict):
             raise TypeError("config and metadata must be mappings (dict, pydantic model or dataclass)")
         spec = redact_spec(model_spec)  # ``openai:m@http://user:key@host`` never reaches the file
-        self._tx(lambda con: self._insert_run(con, run_id, kind, graph, spec, cfg, tags, meta, parent_id))
+        labels, graph = _redacted_tags(tags, secrets), _redacted_label(graph, secrets)
+        self._tx(lambda con: self._insert_run(con, run_id, kind, graph, spec, cfg, labels, meta, parent_id))
         return run_id
 
     @staticmethod
@@ -345,14 +374,15 @@ class RunStore:
         return ActiveRun(self, start_kwargs)
 
     @staticmethod
-    def _require_running(con: duckdb.DuckDBPyConnection, run_id: str) -> str | None:
-        """Raise unless the run exists and is running; returns its model_spec (to price turns)."""
-        row = con.execute("SELECT status, model_spec FROM runs WHERE id = ?", [run_id]).fetchone()
+    def _require_running(con: duckdb.DuckDBPyConnection, run_id: str) -> tuple[str | None, bool]:
+        """Raise unless the run exists and is running; returns its model_spec (to price turns) and
+        whether a credential was redacted from its texts already (its turns then keep no token ids)."""
+        row = con.execute("SELECT status, model_spec, secrets_redacted FROM runs WHERE id = ?", [run_id]).fetchone()
         if row is None:
             raise RunNotFoundError(f"no run with id {run_id!r}")
         if row[0] != "running":
             raise RunStateError(f"run {run_id} is {row[0]}; only running runs can be written to")
-        return row[1]
+        return row[1], bool(row[2])
 
     # ------------------------------------------------------------------ children
 
@@ -365,7 +395,7 @@ class RunStore:
         self._flush_pending()
         return self._tx(lambda con: self._write_messages(con, run_id, rows, replace, sink))
 
-    def _write_messages(self, con: duckdb.DuckDBPyConnection, run_id: str, rows: list[tuple[str, str]],
+    def _write_messages(self, con: duckdb.DuckDBPyConnection, run_id: str, rows: list[tuple[str, str, bool]],
                         replace: bool, sink: MediaSink | None = None) -> int:
         self._require_running(con, run_id)
         if sink is not None and sink.blobs:
@@ -373,9 +403,10 @@ class RunStore:
         if replace:
             con.execute("DELETE FROM messages WHERE run_id = ?", [run_id])
         start = _next_idx(con, "messages", run_id)
-        for i, (role, js) in enumerate(rows):
+        for i, (role, js, _) in enumerate(rows):
             _insert_message(con, run_id, start + i, role, js)
-        con.execute("UPDATE runs SET updated_at = ? WHERE id = ?", [utcnow(), run_id])
+        con.execute("UPDATE runs SET updated_at = ?, secrets_redacted = secrets_redacted OR ? WHERE id = ?",
+                    [utcnow(), any(r[2] for r in rows), run_id])
         return len(rows)
 
     def log_turn(self, run_id: str, turn: Turn) -> int:
@@ -395,7 +426,9 @@ class RunStore:
 
     def _write_turn(self, con: duckdb.DuckDBPyConnection, run_id: str, prepared: PreparedTurn,
                     sink: MediaSink | None = None) -> int:
-        model_spec = self._require_running(con, run_id)
+        model_spec, tainted = self._require_running(con, run_id)
+        if tainted:  # its prompt holds the conversation, from which a credential was redacted
+            prepared = without_token_ids(prepared)
         if sink is not None and sink.blobs:
             write_media(con, sink, [(run_id, h) for h in sink.blobs], utcnow())
         cost = self._price(prepared, model_spec)
@@ -404,8 +437,8 @@ class RunStore:
         con.execute(_INSERT_TURN, turn_row(run_id, idx, prepared, cost, now))
         con.execute("UPDATE runs SET prompt_tokens = prompt_tokens + ?, completion_tokens = completion_tokens + ?, "
                     "cost_usd = CASE WHEN ?::DOUBLE IS NULL THEN cost_usd ELSE coalesce(cost_usd, 0) + ?::DOUBLE END, "
-                    "updated_at = ? WHERE id = ?",
-                    [prepared.prompt_tokens, prepared.completion_tokens, cost, cost, now, run_id])
+                    "updated_at = ?, secrets_redacted = secrets_redacted OR ? WHERE id = ?",
+                    [prepared.prompt_tokens, prepared.completion_tokens, cost, cost, now, prepared.redacted, run_id])
         return idx
 
     def log_tool_call(self, run_id: str, call: ToolCall, result: ToolResult, turn_idx: int | None = None) -> int:
@@ -414,7 +447,7 @@ class RunStore:
 
         def write(con: duckdb.DuckDBPyConnection) -> int:
             self._require_running(con, run_id)
-            t_idx = turn_idx
+            t_idx = _turn_idx(turn_idx)
             if t_idx is None:
                 t_idx = con.execute("SELECT max(idx) FROM turns WHERE run_id = ?", [run_id]).fetchone()[0]
             idx = _next_idx(con, "tool_calls", run_id)
@@ -450,7 +483,10 @@ class RunStore:
 
     def flush(self) -> None:
         """Commit every queued write now; then raise the first queued write that failed since the
-        last ``flush`` (a :class:`RunStateError` for a step logged to a finished run, say)."""
+        last ``flush`` (a :class:`RunStateError` for a step logged to a finished run, say).
+
+        The ack point of the queued path: when it returns, every step logged before it survives a
+        SIGKILL of this process."""
         self._flush_pending()
         if self._queued_errors:
             errors, self._queued_errors = self._queued_errors, []
@@ -460,10 +496,8 @@ class RunStore:
     def _enqueue(self, step: "_Step") -> None:
         if self._writer is None:
             self._writer = BackgroundWriter(self._write_steps, interval_s=self.flush_interval_s,
-                                            name=f"closedloop-store-writer:{self.path}", retryable=(StoreBusyError,))
-            # Big batches go through Arrow; importing it takes a second, so it happens on its own
-            # thread while small batches are written without it (see batch.ensure_arrow).
-            threading.Thread(target=ensure_arrow, name="closedloop-arrow-import", daemon=True).start()
+                                            name=f"closedloop-store-writer:{self.path}", retryable=(StoreBusyError,),
+                                            max_pending=self.max_queued_steps)
             _open_stores.add(self)
         self._writer.submit(step)
 
@@ -476,71 +510,108 @@ class RunStore:
             writer.errors.clear()
 
     def _write_steps(self, steps: list["_Step"]) -> None:
-        """One transaction for a batch of queued steps, possibly of several runs."""
+        """Queued steps, possibly of several runs, in one transaction.
+
+        One run's problem never costs another run its rows: a step that cannot be prepared is
+        dropped alone (and reported by the next :meth:`flush`); when the batch's transaction fails
+        for any reason but the lock (retried whole by the writer), its steps are written again one
+        transaction each, so only a step that fails on its own is dropped.
+        """
         secrets = _env_secrets()
         sink = MediaSink()
-        prepared, media_refs = [], []
+        prepared: list[_PreparedStep] = []
         for s in steps:
-            prepared.append((s, *prepare_episode(s.messages, s.turns, secrets, sink),
-                             [(_prepare_call(c, r, secrets), i) for c, r, i in s.tool_calls]))
-            if sink.pending:
-                media_refs += [(s.run_id, h) for h in sink.take()]
-        failed: dict[str, BaseException] = {}
-
-        def write(con: duckdb.DuckDBPyConnection) -> None:
-            failed.clear()
-            ids = sorted({s.run_id for s in steps})
-            state = {r[0]: (r[1], r[2]) for r in con.execute(
-                "SELECT id, status, model_spec FROM runs WHERE list_contains(?, id)", [ids]).fetchall()}
-            live = [i for i in ids if state.get(i, ("",))[0] == "running"]
-            nxt = {t: _next_indices(con, t, live) for t in ("messages", "turns", "tool_calls")}
-            rows, now, pricer = Rows(), utcnow(), Pricer(self.price_fn)
-            totals: dict[str, list[Any]] = {}
-            for step, messages, turns, calls in prepared:
-                rid = step.run_id
-                if rid not in nxt["turns"]:
-                    if rid not in failed:
-                        failed[rid] = (RunNotFoundError(f"no run with id {rid!r}") if rid not in state else
-                                       RunStateError(f"run {rid} is {state[rid][0]}; only running runs can be written to"))
-                    continue
-                tot = totals.setdefault(rid, [0, 0, None])
-                if step.replace:
-                    con.execute("DELETE FROM messages WHERE run_id = ?", [rid])
-                    rows.drop_run("messages", rid)
-                    nxt["messages"][rid] = 0
-                for role, js in messages:
-                    rows.add("messages", (rid, _take(nxt["messages"], rid), role, js))
-                for t in turns:
-                    cost = self._price(t, state[rid][1], pricer)
-                    rows.add("turns", turn_row(rid, _take(nxt["turns"], rid), t, cost, now))
-                    tot[0] += t.prompt_tokens
-                    tot[1] += t.completion_tokens
-                    if cost is not None:
-                        tot[2] = (tot[2] or 0.0) + cost
-                for c, turn_idx in calls:
-                    t_idx = turn_idx if turn_idx is not None else (nxt["turns"][rid] - 1 if nxt["turns"][rid] else None)
-                    rows.add("tool_calls", (rid, _take(nxt["tool_calls"], rid), t_idx, c.call_id, c.name, c.arguments,
-                                            c.result, c.error, c.error_kind, c.latency_s, now))
-                for step_no, name, value in step.metrics:
-                    rows.add("metrics", (rid, step_no, name, value, now))
-            if media_refs:  # media of live runs only (a dropped step's bytes are not kept)
-                write_media(con, sink, [(r, h) for r, h in media_refs if r in nxt["turns"]], now)
-            rows.insert(con)
-            if totals:
-                con.execute("UPDATE runs SET prompt_tokens = runs.prompt_tokens + d.p, "
-                            "completion_tokens = runs.completion_tokens + d.c, "
-                            "cost_usd = CASE WHEN d.cost IS NULL THEN runs.cost_usd "
-                            "ELSE coalesce(runs.cost_usd, 0) + d.cost END, updated_at = ? "
-                            "FROM (SELECT unnest(?::VARCHAR[]) AS id, unnest(?::BIGINT[]) AS p, unnest(?::BIGINT[]) AS c, "
-                            "unnest(?::DOUBLE[]) AS cost) AS d WHERE runs.id = d.id",
-                            [now, list(totals), [v[0] for v in totals.values()], [v[1] for v in totals.values()],
-                             [v[2] for v in totals.values()]])
-
-        self._tx(write)
+            try:
+                prepared.append(_prepare_step(s, secrets, sink))
+            except Exception as e:  # noqa: BLE001 - a bug meeting odd input: that step alone is lost, and said so
+                sink.take()
+                self._report_dropped(s.run_id, e)
+        if not prepared:
+            return
+        try:
+            failed = self._tx(lambda con: self._write_prepared(con, prepared, sink))
+        except StoreBusyError as busy:
+            raise PartialBatch([p.step for p in prepared], busy) from None
+        except Exception as e:  # noqa: BLE001 - isolate the step that fails, keep the others
+            if len(prepared) == 1:
+                failed = {prepared[0].step.run_id: e}
+            else:
+                failed = {}
+                for i, p in enumerate(prepared):
+                    try:
+                        failed.update(self._tx(lambda con, one=[p]: self._write_prepared(con, one, sink)))
+                    except StoreBusyError as busy:
+                        raise PartialBatch([q.step for q in prepared[i:]], busy) from None
+                    except Exception as one_error:  # noqa: BLE001
+                        failed.setdefault(p.step.run_id, one_error)
         for rid, error in failed.items():
-            warnings.warn(f"run store: queued writes for run {rid} were dropped: {error}", RuntimeWarning, stacklevel=2)
-            if self._writer is not None:
-                self._writer.errors.append(error)
+            self._report_dropped(rid, error)
+
+    def _report_dropped(self, run_id: str, error: BaseException) -> None:
+        warnings.warn(f"run store: queued writes for run {run_id} were dropped: {error}", RuntimeWarning, stacklevel=3)
+        if self._writer is not None:
+            self._writer.errors.append(error)
+
+    def _write_prepared(self, con: duckdb.DuckDBPyConnection, prepared: list["_PreparedStep"],
+                        sink: MediaSink) -> dict[str, BaseException]:
+        """The rows of prepared steps, in the caller's transaction; returns the runs not written
+        to (gone or not running) with the reason."""
+        failed: dict[str, BaseException] = {}
+        ids = sorted({p.step.run_id for p in prepared})
+        state = {r[0]: (r[1], r[2], bool(r[3])) for r in con.execute(
+            "SELECT id, status, model_spec, secrets_redacted FROM runs WHERE list_contains(?, id)", [ids]).fetchall()}
+        live = [i for i in ids if state.get(i, ("",))[0] == "running"]
+        nxt = {t: _next_indices(con, t, live) for t in ("messages", "turns", "tool_calls")}
+        rows, now, pricer = Rows(), utcnow(), Pricer(self.price_fn)
+        totals: dict[str, list[Any]] = {}
+        tainted = {rid for rid in live if state[rid][2]}
+        media_refs = []
+        for p in prepared:
+            rid = p.step.run_id
+            if rid not in nxt["turns"]:
+                if rid not in failed:
+                    failed[rid] = (RunNotFoundError(f"no run with id {rid!r}") if rid not in state else
+                                   RunStateError(f"run {rid} is {state[rid][0]}; only running runs can be written to"))
+                continue
+            media_refs += [(rid, h) for h in p.media]
+            tot = totals.setdefault(rid, [0, 0, None])
+            if p.step.replace:
+                con.execute("DELETE FROM messages WHERE run_id = ?", [rid])
+                rows.drop_run("messages", rid)
+                nxt["messages"][rid] = 0
+            for role, js in p.episode.messages:
+                rows.add("messages", (rid, _take(nxt["messages"], rid), role, js))
+            for t in p.episode.turns:
+                if rid in tainted:  # an earlier step lost a secret: this prompt still holds it
+                    t = without_token_ids(t)
+                cost = self._price(t, state[rid][1], pricer)
+                rows.add("turns", turn_row(rid, _take(nxt["turns"], rid), t, cost, now))
+                tot[0] += t.prompt_tokens
+                tot[1] += t.completion_tokens
+                if cost is not None:
+                    tot[2] = (tot[2] or 0.0) + cost
+            if p.episode.redacted:
+                tainted.add(rid)
+            for c, turn_idx in p.calls:
+                t_idx = turn_idx if turn_idx is not None else (nxt["turns"][rid] - 1 if nxt["turns"][rid] else None)
+                rows.add("tool_calls", (rid, _take(nxt["tool_calls"], rid), t_idx, c.call_id, c.name, c.arguments,
+                                        c.result, c.error, c.error_kind, c.latency_s, now))
+            for step_no, name, value in p.step.metrics:
+                rows.add("metrics", (rid, step_no, name, value, now))
+        if media_refs:  # media of live runs only (a dropped step's bytes are not kept)
+            write_media(con, sink, media_refs, now)
+        rows.insert(con)
+        if totals:
+            con.execute("UPDATE runs SET prompt_tokens = runs.prompt_tokens + d.p, "
+                        "completion_tokens = runs.completion_tokens + d.c, "
+                        "cost_usd = CASE WHEN d.cost IS NULL THEN runs.cost_usd "
+                        "ELSE coalesce(runs.cost_usd, 0) + d.cost END, updated_at = ?, "
+                        "secrets_redacted = runs.secrets_redacted OR d.tainted "
+                        "FROM (SELECT unnest(?::VARCHAR[]) AS id, unnest(?::BIGINT[]) AS p, unnest(?::BIGINT[]) AS c, "
+                        "unnest(?::DOUBLE[]) AS cost, unnest(?::BOOLEAN[]) AS tainted) AS d WHERE runs.id = d.id",
+                        [now, list(totals), [v[0] for v in totals.values()], [v[1] for v in totals.values()],
+                         [v[2] for v in totals.values()], [rid in tainted for rid in totals]])
+        return failed
 
     # ------------------------------------------------------------------ metrics
 
@@ -550,8 +621,9 @@ class RunStore:
         or many steps at once: ``log_metrics(id, [(3, {...}), (4, {...})])`` (one transaction).
 
         ``wait=False`` queues them like :meth:`log_step` instead of committing before returning.
-        Returns the number of values recorded. Logging the same name twice for a step keeps both
-        rows; :meth:`metrics` shows the later one.
+        Returns the number of values recorded. Logging a name again for a step replaces its value
+        (the table keeps one row per run, step and name): a resumed trainer that replays steps
+        leaves no duplicates, in the table or in an export.
         """
         if metrics is not None:
             entries = _metric_entries([(step, metrics)])
@@ -586,7 +658,7 @@ class RunStore:
                                "ORDER BY step, created_at, rowid", [full]).fetchall()
 
         by_step: dict[int, dict[str, Any]] = {}
-        for step_no, name, value in self._tx(read):
+        for step_no, name, value in self._tx(read, read_only=True):
             by_step.setdefault(step_no, {"step": step_no})[name] = value
         return list(by_step.values())
 
@@ -636,7 +708,6 @@ class RunStore:
             raise ValueError(f"trajectory ids repeat within the batch: {', '.join(dup[:5])}")
         if not specs:
             return []
-        ensure_arrow()  # vectorised inserts (the first call imports pyarrow)
         with gc_paused():
             return self._record_batch(defaults, specs, ids)
 
@@ -645,7 +716,8 @@ class RunStore:
         transaction, so the file is held only for the inserts."""
         secrets = _env_secrets()
         cfg = _dumps(redact(_jsonable(defaults.config) or {}, env_secrets=secrets))
-        tags = list(defaults.tags or [])
+        tags = _redacted_tags(defaults.tags, secrets)
+        graph = _redacted_label(defaults.graph, secrets)
         pid, host = os.getpid(), hostname()
         proc = process_start(pid)
         version = closedloop.__version__
@@ -658,7 +730,7 @@ class RunStore:
             out = _redacted_json({"rewards": traj.rewards,
                                   **({"step_rewards": traj.step_rewards} if traj.step_rewards else {}),
                                   **(_jsonable(spec.outcome) or {})}, secrets, keys=False, key_values=False)
-            messages, turns = prepare_episode(traj.messages, traj.turns, secrets, sink)
+            messages, turns, redacted = prepare_episode(traj.messages, traj.turns, secrets, sink)
             if sink.pending:
                 media_refs += [(run_id, h) for h in sink.take()]
             rows.extend("messages", [(run_id, i, role, js) for i, (role, js) in enumerate(messages)])
@@ -673,9 +745,9 @@ class RunStore:
                 c_tok += t.completion_tokens
                 if c is not None:
                     cost = (cost or 0.0) + c
-            rows.add("runs", (run_id, defaults.kind, defaults.graph, redact_spec(defaults.model_spec), cfg, defaults.status,
+            rows.add("runs", (run_id, defaults.kind, graph, redact_spec(defaults.model_spec), cfg, defaults.status,
                               pid, host, proc, defaults.parent_id, version, spec.started_at or now, now, now, out,
-                              _format_error(spec.error), p_tok, c_tok, cost, tags, meta))
+                              _format_error(spec.error), p_tok, c_tok, cost, tags, meta, redacted))
 
         def write(con: duckdb.DuckDBPyConnection) -> list[str]:
             # A semi-join (hashed), not list_contains: that compares every run with every new id.
@@ -729,7 +801,6 @@ class RunStore:
         self._flush_pending()
 
         def read(con: duckdb.DuckDBPyConnection) -> RunRecord:
-            self._reap(con)
             full = _resolve(con, run_id)
             summary = _summaries(con, "WHERE id = ?", [full])[0]
             raw = [r[0] for r in con.execute("SELECT json FROM messages WHERE run_id = ? ORDER BY idx",
@@ -745,7 +816,7 @@ class RunStore:
             calls = [ToolCallRecord(**dict(zip(cols, r))) for r in cur.fetchall()]
             return RunRecord(**summary.model_dump(), messages=msgs, turns=turns, tool_calls=calls)
 
-        return self._tx(read)
+        return self._read(read)
 
     def load_trajectory(self, run_id: str, *, media: MediaMode = "inline") -> Trajectory:
         """The run as a trainer sees it (see :meth:`RunRecord.to_trajectory`); ``media`` as in :meth:`get_run`."""
@@ -755,7 +826,7 @@ class RunStore:
         """The bytes of one stored image/audio (by the hash a reference or ``MediaRef`` names)."""
         digest = sha256.removeprefix("sha256:")
         self._flush_pending()
-        found = self._tx(lambda con: fetch_media(con, [digest]))
+        found = self._tx(lambda con: fetch_media(con, [digest]), read_only=True)
         if digest not in found:
             raise KeyError(f"no media sha256:{digest} in {self.path}")
         return found[digest]
@@ -784,19 +855,18 @@ class RunStore:
         if status is not None and status not in ("running",) + TERMINAL_STATUSES:
             raise ValueError(f"status must be one of {('running',) + TERMINAL_STATUSES}, got {status!r}")
         where, params = [], []
-        for column, value in (("status", status), ("graph", graph), ("kind", kind), ("parent_id", parent_id),
-                              ("model_spec", redact_spec(model_spec))):
+        for column, value in (("status", status), ("graph", _redacted_label(graph)), ("kind", kind),
+                              ("parent_id", parent_id), ("model_spec", redact_spec(model_spec))):
             if value is not None:
                 where.append(f"{column} = ?")
                 params.append(value)
         if tag is not None:
             where.append("list_contains(tags, ?)")
-            params.append(tag)
+            params.append(_redacted_label(tag))
         want = dict(_jsonable(metadata) or {})
         self._flush_pending()
 
         def select(con: duckdb.DuckDBPyConnection) -> list[tuple[str, dict[str, float], list[Any], dict[str, Any]]]:
-            self._reap(con)
             heads = con.execute(
                 "SELECT id, kind, graph, model_spec, status, parent_id, tags, metadata, "
                 "json_extract(config, '$.task_id'), json_extract(outcome, '$.task_id'), "
@@ -844,7 +914,7 @@ class RunStore:
             selected = select(con)
             return selected, read(con, [c[0] for c in selected[:batch_size]])
 
-        selected, first = self._tx(select_and_first)
+        selected, first = self._read(select_and_first)
         for start in range(0, len(selected), batch_size):
             chunk = selected[start:start + batch_size]
             if start == 0:
@@ -852,7 +922,7 @@ class RunStore:
                 first = None
             else:
                 ids = [c[0] for c in chunk]
-                msgs, rows, restore = self._tx(lambda con: read(con, ids))  # decoded after the file is released
+                msgs, rows, restore = self._tx(lambda con: read(con, ids), read_only=True)  # decoded after release
             with gc_paused():
                 out = []
                 for rid, rewards, step_rewards, md in chunk:
@@ -872,26 +942,23 @@ class RunStore:
         if limit is not None and limit < 0:
             raise ValueError("limit must be >= 0")
         where, params = [], []
-        for column, value in (("status", status), ("graph", graph), ("kind", kind), ("parent_id", parent_id)):
+        for column, value in (("status", status), ("graph", _redacted_label(graph)), ("kind", kind),
+                              ("parent_id", parent_id)):
             if value is not None:
                 where.append(f"{column} = ?")
                 params.append(value)
         if tag is not None:
             where.append("list_contains(tags, ?)")
-            params.append(tag)
+            params.append(_redacted_label(tag))
         clause = ("WHERE " + " AND ".join(where) if where else "") + " ORDER BY started_at DESC, id"
         if limit is not None:
             clause += f" LIMIT {int(limit)}"
         self._flush_pending()
 
-        def read(con: duckdb.DuckDBPyConnection) -> list[RunSummary]:
-            self._reap(con)
-            return _summaries(con, clause, params)
-
-        return self._tx(read)
+        return self._read(lambda con: _summaries(con, clause, params))
 
     def resolve_id(self, prefix: str) -> str:
-        return self._tx(lambda con: _resolve(con, prefix))
+        return self._tx(lambda con: _resolve(con, prefix), read_only=True)
 
     # ------------------------------------------------------------------ maintenance
 
@@ -902,14 +969,18 @@ class RunStore:
         """
         return self._tx(self._reap)
 
-    def _reap(self, con: duckdb.DuckDBPyConnection) -> list[str]:
-        """Runs inside the caller's transaction, so listing a store costs one connection, not two."""
+    def _dead_runs(self, con: duckdb.DuckDBPyConnection) -> list[tuple[str, int]]:
+        """(id, pid) of this host's running runs whose process is gone (a read)."""
         if not self.detect_killed:
             return []
-        host = hostname()
         rows = con.execute("SELECT id, pid, proc_start FROM runs WHERE status = 'running' AND hostname = ?",
-                           [host]).fetchall()
-        dead = [(rid, pid) for rid, pid, start in rows if not pid_alive(pid, start)]
+                           [hostname()]).fetchall()
+        return [(rid, pid) for rid, pid, start in rows if not pid_alive(pid, start)]
+
+    def _reap(self, con: duckdb.DuckDBPyConnection) -> list[str]:
+        """Runs inside the caller's (write) transaction, so a write and the reaping share one connection."""
+        dead = self._dead_runs(con)
+        host = hostname()
         for rid, pid in dead:
             con.execute("UPDATE runs SET status = 'killed', ended_at = updated_at, error = ? "
                         "WHERE id = ? AND status = 'running'",
@@ -977,7 +1048,7 @@ class RunStore:
                     lookup.close()
             return paths
 
-        return self._tx(write)
+        return self._read(write)
 
     def close(self) -> None:
         """Commit queued writes and stop the background writer (a later queued write restarts it)."""
@@ -1136,6 +1207,41 @@ def _prepare_call(call: ToolCall, result: ToolResult, secrets: list[str]) -> Pre
                              result.error_kind, result.latency_s, secrets)
 
 
+@dataclass(slots=True)
+class _PreparedStep:
+    """A queued step made ready for the table rows before the transaction."""
+
+    step: _Step
+    episode: PreparedEpisode
+    calls: list[tuple[PreparedToolCall, int | None]]
+    media: list[str]  # hashes of the media its messages and turns reference
+
+
+def _prepare_step(step: _Step, secrets: list[str], sink: MediaSink) -> _PreparedStep:
+    episode = prepare_episode(step.messages, step.turns, secrets, sink)
+    calls = [(_prepare_call(c, r, secrets), _turn_idx(i)) for c, r, i in step.tool_calls]
+    return _PreparedStep(step, episode, calls, sorted(sink.take()))
+
+
+def _turn_idx(value: Any) -> int | None:
+    """A tool call's ``turn_idx`` as the INTEGER column takes it (None, the run's latest turn, for
+    anything else, rather than an error that would fail the transaction)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -2**31 <= value < 2**31:
+        return None
+    return value
+
+
+def _redacted_label(value: str | None, secrets: list[str] | None = None) -> str | None:
+    """A short label (graph name, tag) as stored: credential shapes go, as everywhere else."""
+    return None if value is None else storable(redact_text(str(value), env_secrets=secrets))
+
+
+def _redacted_tags(tags: Sequence[str] | None, secrets: list[str]) -> list[str]:
+    if isinstance(tags, str):
+        raise TypeError("tags must be a list of strings, not one string")
+    return [label for t in tags or [] if (label := _redacted_label(t, secrets)) is not None]
+
+
 def _take(counters: dict[str, int], run_id: str) -> int:
     idx = counters[run_id]
     counters[run_id] = idx + 1
@@ -1173,7 +1279,7 @@ def _metric_entries(steps: Iterable[tuple[int, Mapping[str, float]]]) -> list[tu
                 number = float(value)  # ints, numpy scalars, 0-d tensors
             except (TypeError, ValueError):
                 raise TypeError(f"metric {name!r} at step {step} must be a number, got {value!r}") from None
-            out.append((step, name, number))
+            out.append((step, _redacted_label(name) or name, number))
     return out
 
 
@@ -1242,7 +1348,7 @@ def _export_restored(con: duckdb.DuckDBPyConnection, table: str, column: str, pa
 
     reader = con.sql(f"SELECT * FROM {table} ORDER BY ALL").to_arrow_reader(20_000)
     writer = None
-    try:
+    try:  # the reader is closed here, never left to keep the database open past the store's lock
         for batch in reader:
             columns = {name: batch.column(name) for name in batch.schema.names}
             columns[column] = _restored_column(columns[column], lookup)
@@ -1255,6 +1361,7 @@ def _export_restored(con: duckdb.DuckDBPyConnection, table: str, column: str, pa
             empty[column] = pa.array([], type=pa.string())
             pq.write_table(pa.table(empty), str(path))
     finally:
+        reader.close()
         if writer is not None:
             writer.close()
 
@@ -1268,7 +1375,7 @@ def _export_turns(con: duckdb.DuckDBPyConnection, path: Path, lookup: duckdb.Duc
 
     reader = con.sql("SELECT * FROM turns ORDER BY ALL").to_arrow_reader(20_000)
     writer = None
-    try:
+    try:  # the reader is closed here, never left to keep the database open past the store's lock
         for batch in reader:
             columns = {name: batch.column(name) for name in batch.schema.names}
             columns.update(turn_arrays_to_lists(columns))
@@ -1285,6 +1392,7 @@ def _export_turns(con: duckdb.DuckDBPyConnection, path: Path, lookup: duckdb.Duc
                 empty["message"] = pa.array([], type=pa.string())
             pq.write_table(pa.table(empty), str(path))
     finally:
+        reader.close()
         if writer is not None:
             writer.close()
 

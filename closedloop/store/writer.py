@@ -14,12 +14,17 @@ caller's thread, so an event loop can wait up to one switch interval (5 ms) now 
 thread is woken only when the queue goes from empty to non-empty, not per write, to keep such
 hand-offs rare. Forked children drop the queue they inherited (the parent writes it).
 
-The price is a bounded window: a process that is SIGKILLed (or dies on SIGTERM without running
-``atexit``) loses what it queued in its last ``interval_s`` plus the time of one write. Its run
-still shows as ``killed`` (the run row is written synchronously by ``start_run``) with
-everything committed before. ``flush()`` (called by ``finish_run``, ``close``, every synchronous
-write and read of the same store, and at interpreter exit) makes the queue durable at once, so a
-finished run never lacks a step it logged.
+The price is a window: a process that is SIGKILLed (or dies on SIGTERM without running
+``atexit``) loses what it queued since the last commit. Its run still shows as ``killed`` (the
+run row is written synchronously by ``start_run``) with everything committed before. How long
+that window is in time is NOT bounded: ``interval_s`` is only the gathering wait; then the
+batch must be prepared and written (CPU work that a loaded machine stretches many times, 1 s
+and more at load 10), and the file may be held by another process (up to its lock timeout). What
+is bounded is its size: at most ``max_pending`` queued ops plus the batch being written (a
+submit beyond that waits for the writer). And ``flush()`` is the ack point: when it returns,
+everything submitted before it is committed (``finish_run``, ``close``, every synchronous write
+and read of the same store and interpreter exit call it), so a finished run never lacks a step
+it logged, and a caller that must not lose a step (a tool call with side effects) flushes.
 """
 
 from __future__ import annotations
@@ -29,7 +34,16 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
-__all__ = ["BackgroundWriter"]
+__all__ = ["BackgroundWriter", "PartialBatch"]
+
+
+class PartialBatch(Exception):
+    """Raised by ``write`` when part of a batch was committed and the rest met a retryable error
+    (``cause``): only ``remaining`` goes back to the queue, so nothing is written twice."""
+
+    def __init__(self, remaining: list[Any], cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.remaining, self.cause = remaining, cause
 
 
 class BackgroundWriter:
@@ -41,9 +55,12 @@ class BackgroundWriter:
     """
 
     def __init__(self, write: Callable[[list[Any]], None], *, interval_s: float, name: str,
-                 retryable: tuple[type[BaseException], ...] = ()) -> None:
+                 retryable: tuple[type[BaseException], ...] = (), max_pending: int | None = None) -> None:
         if interval_s < 0:
             raise ValueError("interval_s must be >= 0")
+        if max_pending is not None and max_pending < 1:
+            raise ValueError("max_pending must be >= 1")
+        self.max_pending = max_pending
         self._write = write
         self.interval_s = interval_s
         self._name = name
@@ -64,7 +81,14 @@ class BackgroundWriter:
         self.submit_many((op,))
 
     def submit_many(self, ops: Sequence[Any]) -> None:
+        """Queue ops; waits only while ``max_pending`` ops are already queued (the writer is far
+        behind, or the file is held by another process), until the writer takes them."""
         with self._cond:
+            while (self.max_pending is not None and len(self._pending) >= self.max_pending
+                   and self._thread is not None and self._thread.is_alive()
+                   and self._thread is not threading.current_thread()):
+                self._cond.notify_all()  # the writer may be in its gathering wait: write now
+                self._cond.wait()
             was_empty = not self._pending
             self._pending.extend(ops)
             if self._thread is None or not self._thread.is_alive():
@@ -82,14 +106,22 @@ class BackgroundWriter:
         with self._flush_lock:
             with self._cond:
                 ops, self._pending = self._pending, []
+                self._cond.notify_all()  # submitters waiting for room
             if not ops:
                 return
             try:
                 self._write(ops)
+            except PartialBatch as e:
+                with self._cond:
+                    self._pending[:0] = e.remaining
+                raise e.cause from None
             except self._retryable:
                 with self._cond:
                     self._pending[:0] = ops
                 raise
+
+    def _full(self) -> bool:
+        return self.max_pending is not None and len(self._pending) >= self.max_pending
 
     def close(self, timeout: float | None = None) -> None:
         """Flush and stop the thread (a later ``submit`` starts a new one)."""
@@ -109,7 +141,7 @@ class BackgroundWriter:
                 if self._closing and not self._pending:
                     return
                 deadline = time.monotonic() + self.interval_s  # gather what arrives meanwhile
-                while not self._closing and (left := deadline - time.monotonic()) > 0:
+                while not self._closing and (left := deadline - time.monotonic()) > 0 and not self._full():
                     self._cond.wait(left)
             try:
                 self.flush()

@@ -83,3 +83,32 @@ def test_a_wait_longer_than_the_hold_succeeds(tmp_path):
     store = RunStore(db, lock_timeout_s=60)  # retries until the holder lets go
     assert store.list_runs() == []
     proc.wait()
+
+
+_STORE_HOLDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from closedloop.store.lock import StoreLock
+    with StoreLock(Path(sys.argv[1])).hold(shared=False, deadline=time.monotonic() + 60):
+        print("holding", flush=True)
+        time.sleep(120)
+""")
+
+
+def test_a_closedloop_process_holding_the_store_is_named_too(tmp_path):
+    """The store's own lock (taken before DuckDB opens the file) names its holder the same way."""
+    db = tmp_path / "runs.duckdb"
+    RunStore(db).close()
+    script = tmp_path / "long_export.py"
+    script.write_text(_STORE_HOLDER)
+    proc = subprocess.Popen([sys.executable, str(script), str(db)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "holding"
+        with pytest.raises(StoreBusyError) as info:
+            RunStore(db, lock_timeout_s=0.2).list_runs()
+        assert "\n" not in str(info.value) and "CLOSEDLOOP_STORE_LOCK_TIMEOUT" in str(info.value)
+        if Path("/proc/locks").exists():
+            assert info.value.pid == proc.pid and "long_export.py" in (info.value.command or "")
+    finally:
+        proc.kill()
+        proc.wait()

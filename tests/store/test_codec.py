@@ -114,7 +114,7 @@ def test_a_version_2_file_is_migrated_to_blobs(store_path, monkeypatch):
         assert [types[c] for c in ("prompt_ids", "completion_ids", "logprobs", "loss_mask")] == ["BLOB"] * 4
         assert [r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = "
                                           "'turns' ORDER BY ordinal_position").fetchall()] == list(schema.TURN_COLUMNS)
-        assert con.execute("SELECT max(version) FROM schema_version").fetchone()[0] == schema.SCHEMA_VERSION == 4
+        assert con.execute("SELECT max(version) FROM schema_version").fetchone()[0] == schema.SCHEMA_VERSION == 5
     [rid] = store.record_trajectories([Trajectory(turns=[make_turn()])])  # and the new table takes writes
     assert store.load_trajectory(rid).turns[0].prompt_ids == make_turn().prompt_ids
     assert [t.purpose for t in store.load_trajectory("old").turns] == ["policy"] * 3 + ["reask"]

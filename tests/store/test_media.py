@@ -160,7 +160,7 @@ def test_a_version_3_file_with_inline_media_is_migrated(store_path, monkeypatch)
     with duckdb.connect(str(store_path)) as con:
         assert con.execute("SELECT count(*) FROM media").fetchone() == (3,)
         assert con.execute("SELECT count(*) FROM run_media").fetchone() == (6,)
-        assert con.execute("SELECT max(version) FROM schema_version").fetchone()[0] == schema.SCHEMA_VERSION == 4
+        assert con.execute("SELECT max(version) FROM schema_version").fetchone()[0] == schema.SCHEMA_VERSION == 5
 
 
 def test_deleting_runs_collects_media_nobody_references(store_path):

@@ -148,3 +148,59 @@ def test_cli_export_formats_from_the_store(store_path, tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
     assert main(["runs", "export", "--store", str(store_path), "--parquet", str(tmp_path / "pq")]) == 0
     assert "metrics:" in capsys.readouterr().out
+
+
+RESUMED_TRAINER = """
+import sys
+from closedloop.store import RunStore
+store = RunStore(sys.argv[1])
+run_id, first, last, scale = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+store.reopen_run(run_id)
+for step in range(first, last):  # a resumed trainer replays the steps after its last checkpoint
+    store.log_metrics(run_id, step, {"loss": scale * step, "kl": 0.1}, wait=step % 2 == 0)
+store.finish_run(run_id)
+"""
+
+
+def test_a_resumed_run_replaying_steps_leaves_one_row_per_step_and_name(store_path, tmp_path):
+    import duckdb
+    import pyarrow.parquet as pq
+
+    from .conftest import run_python
+
+    store = RunStore(store_path)
+    rid = store.start_run(kind="train")
+    store.log_metrics(rid, [(s, {"loss": float(s), "kl": 0.1}) for s in range(6)])
+    store.finish_run(rid, status="killed")
+    for first, last, scale in ((4, 9, 10.0), (7, 12, 100.0)):  # two resumes, each replaying two steps
+        proc = run_python(RESUMED_TRAINER, str(store_path), rid, str(first), str(last), str(scale))
+        assert proc.returncode == 0, proc.stderr
+    with duckdb.connect(str(store_path), read_only=True) as con:
+        assert con.execute("SELECT count(*), count(DISTINCT (step, name)) FROM metrics").fetchone() == (24, 24)
+    rows = store.metrics(rid)
+    assert [r["step"] for r in rows] == list(range(12))
+    assert [r["loss"] for r in rows] == [0, 1, 2, 3, 40, 50, 60, 700, 800, 900, 1000, 1100]  # the latest wins
+    table = pq.read_table(store.export_parquet(tmp_path / "pq")["metrics"]).to_pylist()
+    assert len(table) == 24 and len({(r["step"], r["name"]) for r in table}) == 24
+
+
+def test_an_older_file_with_duplicate_metrics_keeps_the_latest_on_upgrade(store_path):
+    import duckdb
+
+    from closedloop.store import schema
+
+    with duckdb.connect(str(store_path)) as con:
+        original = schema.MIGRATIONS
+        schema.MIGRATIONS = original[:4]  # a file written before metrics had a key
+        try:
+            schema.migrate(con)
+        finally:
+            schema.MIGRATIONS = original
+        con.execute("INSERT INTO runs (id, kind, status, started_at, updated_at) VALUES ('r', 'train', 'completed', "
+                    "now()::TIMESTAMP, now()::TIMESTAMP)")
+        con.executemany("INSERT INTO metrics VALUES ('r', ?, 'loss', ?, ?::TIMESTAMP)",
+                        [(1, 1.0, "2024-01-01"), (1, 2.0, "2024-01-02"), (2, 3.0, "2024-01-01"), (1, 0.5, "2023-12-31")])
+    store = RunStore(store_path)
+    assert store.metrics("r") == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 3.0}]
+    with duckdb.connect(str(store_path), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM metrics").fetchone() == (2,)

@@ -191,3 +191,63 @@ def test_a_forked_child_does_not_write_its_parents_queue_again(store_path):
     assert os.waitstatus_to_exitcode(status) == 0
     store.finish_run(rid)
     assert [m.text for m in store.get_run(rid).messages] == ["once"]
+
+
+BOUNDED_WRITER = """
+import os, signal, sys
+from closedloop.messages import UserMessage
+from closedloop.store import RunStore
+
+store = RunStore(sys.argv[1], flush_interval_s=3600, max_queued_steps=4)  # only the bound makes it write
+run_id = store.start_run()
+print(run_id, flush=True)
+for i in range(20):
+    store.log_step(run_id, [UserMessage(content=f"u{i}")])
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_queue_is_bounded_so_a_kill_loses_at_most_two_queues_of_steps(store_path):
+    """What a SIGKILL can lose is bounded in steps, whatever the load: ``max_queued_steps`` waiting
+    plus at most that many in the batch being written."""
+    proc = run_python(BOUNDED_WRITER, str(store_path))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    texts = [m.text for m in RunStore(store_path).get_run(proc.stdout.strip()).messages]
+    assert texts == [f"u{i}" for i in range(len(texts))] and len(texts) >= 20 - 2 * 4
+
+
+ARROW_USER = """
+import sys, threading
+from closedloop.messages import AssistantMessage, Trajectory, Turn, UserMessage
+from closedloop.store import RunStore
+
+imported_on = []
+sys.addaudithook(lambda event, args: event == "import" and args[0] in ("pyarrow", "pandas")
+                 and imported_on.append((args[0], threading.current_thread().name)))
+store = RunStore(sys.argv[1])
+rid = store.start_run()
+turn = Turn(message=AssistantMessage(content="a"), prompt_ids=[1, 2], completion_ids=[3])
+store.log_messages(rid, [UserMessage(content="q")])
+store.log_step(rid, [UserMessage(content="q")], [turn])
+store.flush()
+store.record_trajectory(Trajectory(messages=[UserMessage(content="q")], turns=[turn]))
+store.log_metrics(rid, 0, {"loss": 1.0})
+store.get_run(rid), store.list_runs(), list(store.iter_trajectories()), store.metrics(rid)
+print("small", "pyarrow" in sys.modules, "pandas" in sys.modules, flush=True)
+big = [Trajectory(messages=[UserMessage(content=f"q{i}")], turns=[turn]) for i in range(40)]
+store.record_trajectories(big)  # 40 rows a table: worth Arrow, so it is warmed on its own thread
+[warming] = [t for t in threading.enumerate() if t.name == "closedloop-arrow-import"] or [None]
+if warming is not None:
+    warming.join()
+store.record_trajectories([t.model_copy(update={"id": t.id + "-2"}) for t in big])
+print("big", sorted({name for name, _ in imported_on}), sorted({thread for _, thread in imported_on}), flush=True)
+"""
+
+
+def test_pyarrow_is_imported_only_for_large_writes_and_never_on_the_callers_thread(store_path):
+    proc = run_python(ARROW_USER, str(store_path))
+    assert proc.returncode == 0, proc.stderr
+    small, big = proc.stdout.splitlines()
+    assert small == "small False False"
+    assert big.startswith("big ['pandas', 'pyarrow'] ") or big.startswith("big ['pyarrow'] ")
+    assert big.endswith(" ['closedloop-arrow-import']")  # the caller's thread never paid the import

@@ -79,7 +79,7 @@ def test_a_version_1_file_is_migrated_with_turn_defaults(store_path, monkeypatch
     rid = store.start_run()
     store.log_metrics(rid, 0, {"loss": 1.0})  # the new table exists
     with duckdb.connect(str(store_path)) as con:
-        assert con.execute("SELECT max(version) FROM schema_version").fetchone()[0] == schema.SCHEMA_VERSION == 4
+        assert con.execute("SELECT max(version) FROM schema_version").fetchone()[0] == schema.SCHEMA_VERSION == 5
 
 
 def test_record_trajectories_is_one_transaction(store: RunStore):
