@@ -301,8 +301,10 @@ class RunStore:
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 0.2)
 
-    def _read(self, fn: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
-        """``fn`` under the shared lock on a read-only connection. Runs whose writer died are marked
+    def read(self, fn: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
+        """``fn`` (which only reads) under the shared lock on a read-only connection, the file released
+        as soon as it returns: the public way for viewers and tools to run their own queries without
+        disturbing a writer in another process. Runs whose writer died are marked
         ``killed`` first (that is a write: it takes the exclusive lock, and only when there are
         such runs), so a read never shows a dead run as running."""
         def read(con: duckdb.DuckDBPyConnection) -> tuple[bool, T | None]:
@@ -816,7 +818,7 @@ class RunStore:
             calls = [ToolCallRecord(**dict(zip(cols, r))) for r in cur.fetchall()]
             return RunRecord(**summary.model_dump(), messages=msgs, turns=turns, tool_calls=calls)
 
-        return self._read(read)
+        return self.read(read)
 
     def load_trajectory(self, run_id: str, *, media: MediaMode = "inline") -> Trajectory:
         """The run as a trainer sees it (see :meth:`RunRecord.to_trajectory`); ``media`` as in :meth:`get_run`."""
@@ -914,7 +916,7 @@ class RunStore:
             selected = select(con)
             return selected, read(con, [c[0] for c in selected[:batch_size]])
 
-        selected, first = self._read(select_and_first)
+        selected, first = self.read(select_and_first)
         for start in range(0, len(selected), batch_size):
             chunk = selected[start:start + batch_size]
             if start == 0:
@@ -955,7 +957,7 @@ class RunStore:
             clause += f" LIMIT {int(limit)}"
         self._flush_pending()
 
-        return self._read(lambda con: _summaries(con, clause, params))
+        return self.read(lambda con: _summaries(con, clause, params))
 
     def resolve_id(self, prefix: str) -> str:
         return self._tx(lambda con: _resolve(con, prefix), read_only=True)
@@ -1048,7 +1050,7 @@ class RunStore:
                     lookup.close()
             return paths
 
-        return self._read(write)
+        return self.read(write)
 
     def close(self) -> None:
         """Commit queued writes and stop the background writer (a later queued write restarts it)."""

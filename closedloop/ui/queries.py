@@ -29,16 +29,9 @@ PAGE_SIZE = 50
 
 
 def read(store: RunStore, fn: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
-    """Run ``fn`` (which only reads) in one short transaction of ``store``, the way the store runs
-    its own reads: its lock retries with backoff up to ``lock_timeout_s``, the file released as
-    soon as ``fn`` returns.
-
-    This goes through the store's internal read path: ``RunStore._read`` (a shared lock and a
-    read-only connection) where the store has one, else ``RunStore._tx``. It is the one place to
-    change when the store offers a public read-transaction method.
-    """
-    reader = getattr(store, "_read", None)
-    return reader(fn) if reader is not None else store._tx(fn)
+    """Run ``fn`` (which only reads) through :meth:`RunStore.read`: a shared lock and a read-only
+    connection, released as soon as ``fn`` returns, so a writer in another process is never held."""
+    return store.read(fn)
 
 
 class RunFilter(BaseModel):
