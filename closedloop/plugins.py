@@ -154,8 +154,15 @@ class Registry:
     def get(self, name: str) -> Plugin:
         found = self.plugins()
         if name not in found:
-            raise PluginNotFound(f"no {self.kind.noun} named {name!r}; available: {sorted(found)}")
+            raise PluginNotFound(f"no {self.kind.noun} named {name!r}; available: {sorted(found)}"
+                                 + ("" if found else f" ({self.missing_hint()})"))
         return found[name]
+
+    def missing_hint(self) -> str:
+        """What to say when a kind has no plugin at all: closedloop's own come from its installed
+        metadata, which an install made before their entry points were declared lacks."""
+        return (f"no {self.kind.group} entry point is installed; if closedloop's own are missing, its "
+                f"metadata is stale: reinstall it (python -m pip install -e .)")
 
     def load(self, name: str) -> Any:
         """What the plugin names (imported on first use; the same object after)."""

@@ -22,14 +22,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="closedloop", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('closedloop')}")
     sub = lazy_subparsers(parser, dest="command", required=True, metavar="COMMAND")
-    sub.add_plugins(plugins.registry("commands"))
+    commands = plugins.registry("commands")
+    if not commands.names():
+        raise plugins.PluginNotFound(f"no closedloop command found: {commands.missing_hint()}")
+    sub.add_plugins(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
-    except plugins.DuplicatePluginError as e:  # an installed package clashes with a command: say which
+    except (plugins.DuplicatePluginError, plugins.PluginNotFound) as e:  # a clash, or no commands: say which
         print(f"error: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)

@@ -51,11 +51,13 @@ def parse_spec(spec: str) -> ModelSpec:
     from closedloop.store.redact import redact_spec
 
     backend, sep, rest = spec.partition(":")
-    backends = registry(BACKENDS_GROUP).names()
+    known = registry(BACKENDS_GROUP)
+    backends = known.names()
     if not sep or backend not in backends or not rest:  # errors show the spec redacted: it may hold a key
         forms = [form for name, form in _SPEC_FORMS.items() if name in backends]
         forms += [f"{name}:<model>" for name in backends if name not in _SPEC_FORMS]
-        raise ValueError(f"model spec {redact_spec(spec)!r} must look like one of: {', '.join(forms)}")
+        raise ValueError(f"model spec {redact_spec(spec)!r} must look like one of: {', '.join(forms)}"
+                         if forms else f"model spec {redact_spec(spec)!r}: {known.missing_hint()}")
     base_url = None
     if backend == "openai" and "@" in rest:
         rest, base_url = rest.split("@", 1)

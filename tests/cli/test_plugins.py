@@ -219,3 +219,11 @@ def test_registry_kinds_by_name_or_group():
     assert plugins.registry("graphs") is plugins.registry("closedloop.graphs")
     with pytest.raises(plugins.PluginNotFound, match="no plugin kind 'widgets'"):
         plugins.registry("widgets")
+
+
+def test_stale_metadata_is_named_not_a_silent_empty_cli(site):
+    site.install("closedloop", {})  # an install made before the entry points were declared, first on the path
+    out = site.run("--help")
+    assert out.returncode == 2 and "metadata is stale: reinstall it" in out.stderr and "Traceback" not in out.stderr
+    out = site.run(code="from closedloop.models import parse_spec; parse_spec('hf:x')")
+    assert "model spec 'hf:x': no closedloop.backends entry point is installed" in out.stderr
