@@ -15,8 +15,9 @@ from closedloop import plugins
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plugins", description=__doc__.splitlines()[0],
-                       epilog="kinds: " + "; ".join(f"{k.name} ({k.group}): {k.contract}" for k in plugins.KINDS.values()))
+    kinds = "\n".join(f"  {k.name:<13} {k.group}: {k.contract}" for k in plugins.KINDS.values())
+    p = sub.add_parser("plugins", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=f"kinds (entry-point groups) and what an entry point names:\n{kinds}".replace("%", "%%"))
     p.add_argument("kind", nargs="?", choices=list(plugins.KINDS), help="list only this kind")
     p.add_argument("--json", action="store_true", help="print one JSON object per plugin, one per line")
     p.set_defaults(func=handle)
