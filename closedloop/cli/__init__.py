@@ -1,34 +1,41 @@
 """The ``closedloop`` command: a thin layer over the Python API.
 
-Each subcommand lives in its own module exposing ``register(subparsers)``, which adds its parser
-and sets ``func`` to a handler ``(args) -> int`` (the exit code).
+Each subcommand is a plugin (an entry point of ``closedloop.commands``, see :mod:`closedloop.plugins`)
+naming a ``register(subparsers)`` hook that adds its parser and sets ``func`` to a handler
+``(args) -> int`` (the exit code). Only the chosen subcommand's module is imported
+(:mod:`closedloop.cli.lazy`), so ``closedloop --help`` lists every command without importing torch,
+DuckDB or LangGraph, and each command pays for its own machinery only.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
-COMMANDS = ["run", "graphs", "serve", "model", "runs", "eval", "train", "demo", "tool", "mcp", "ui"]
+from closedloop import plugins
+from closedloop.cli.lazy import lazy_subparsers
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
     parser = argparse.ArgumentParser(prog="closedloop", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"closedloop.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"closedloop.cli.{name}":
-                continue  # command not built yet
-            raise
-        module.register(sub)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('closedloop')}")
+    sub = lazy_subparsers(parser, dest="command", required=True, metavar="COMMAND")
+    commands = plugins.registry("commands")
+    if not commands.names():
+        raise plugins.PluginNotFound(f"no closedloop command found: {commands.missing_hint()}")
+    sub.add_plugins(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except (plugins.DuplicatePluginError, plugins.PluginNotFound) as e:  # a clash, or no commands: say which
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -1,10 +1,11 @@
-"""``closedloop train <trainer> --config cfg.yaml [--set key=value ...]``.
+"""``closedloop train <trainer> --config cfg.yaml [--set key=value ...]``: fine-tune a model with a trainer.
 
-Generic over trainers: ``closedloop.trainers.<name>`` exposes ``CONFIG_CLASS`` (a pydantic config)
-and ``run_from_config(config)``. Nothing under ``closedloop.trainers`` is imported until a
-training is asked for, so the rest of the CLI never pays for torch, accelerate or peft (and the
-core keeps not importing trainers). Bad input (unknown trainer, unknown key, invalid value)
-exits with code 2; a Ctrl-C that saved a checkpoint exits with 130.
+Generic over trainers: a trainer is a plugin (an entry point of ``closedloop.trainers``, see
+:mod:`closedloop.plugins`) naming a module that exposes ``CONFIG_CLASS`` (a pydantic config) and
+``run_from_config(config)``. No trainer is imported until a training is asked for, so the rest of
+the CLI never pays for torch, accelerate or peft (and the core keeps not importing trainers);
+``closedloop train --help`` lists them from the registry. Bad input (unknown trainer, unknown key,
+invalid value) exits with code 2; a Ctrl-C that saved a checkpoint exits with 130.
 
 Everything the run will touch is checked before a model loads, each problem as one ``error:`` line:
 the config's values (finite numbers), the model directory, the output directory (by writing a probe
@@ -17,22 +18,23 @@ model is loaded). A run whose loss turns NaN or infinite stops with exit code 1,
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
-import re
 import sys
-from pathlib import Path
 from typing import Any
 
-_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+from closedloop import plugins
+
+GROUP = "closedloop.trainers"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="fine-tune a model with a closedloop trainer (sft, grpo, dpo, cpref, ...)",
-                       description="Train with closedloop.trainers.<trainer>; e.g. "
-                                   "`closedloop train sft --config sft.yaml --set max_steps=100`.")
-    p.add_argument("trainer", help="trainer name, e.g. sft, grpo, dpo or cpref")
+    trainers = plugins.registry(GROUP)
+    listing = "\n".join(f"  {name:<8} {trainers.describe(name)}" for name in trainers.names())
+    p = sub.add_parser("train", description="Train with a closedloop trainer; e.g. "
+                                            "`closedloop train sft --config sft.yaml --set max_steps=100`.",
+                       epilog=f"trainers ({GROUP} entry points):\n{listing}".replace("%", "%%"),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trainer", help=f"trainer name: {', '.join(trainers.names())}")
     p.add_argument("--config", "-c", default=None, help="YAML config file (keys of the trainer's config)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (dotted for nested: lora.r=8; values parsed as YAML); repeatable")
@@ -42,31 +44,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def available_trainers() -> list[str]:
-    """Trainer modules under ``closedloop.trainers`` (files that define ``CONFIG_CLASS``), found without
-    importing them."""
-    spec = importlib.util.find_spec("closedloop.trainers")
-    names = []
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        for f in sorted(Path(folder).glob("*.py")):
-            if not f.name.startswith("_") and "CONFIG_CLASS" in f.read_text(errors="ignore"):
-                names.append(f.stem)
-    return sorted(set(names))
+    """The registered trainers' names (nothing imported)."""
+    return plugins.registry(GROUP).names()
 
 
 def load_trainer(name: str) -> Any:
-    """The trainer module ``closedloop.trainers.<name>``; ``ValueError`` naming the available ones."""
-    known = available_trainers()
-    if not _NAME.match(name):
-        raise ValueError(f"invalid trainer name {name!r}; available: {', '.join(known) or 'none'}")
+    """The trainer module registered as ``name``; ``ValueError`` naming the available ones."""
+    trainers = plugins.registry(GROUP)
     try:
-        module = importlib.import_module(f"closedloop.trainers.{name}")
-    except ModuleNotFoundError as e:
-        if e.name == f"closedloop.trainers.{name}":
-            raise ValueError(f"unknown trainer {name!r}; available: {', '.join(known) or 'none'}") from e
-        raise
+        module = trainers.load(name)
+    except plugins.PluginNotFound:
+        raise ValueError(f"unknown trainer {name!r} (not a trainer: no {GROUP} entry point of that name); "
+                         f"available: {', '.join(trainers.names()) or 'none'}") from None
     if not hasattr(module, "CONFIG_CLASS") or not hasattr(module, "run_from_config"):
-        raise ValueError(f"closedloop.trainers.{name} is not a trainer (no CONFIG_CLASS / run_from_config); "
-                         f"available: {', '.join(known) or 'none'}")
+        raise ValueError(f"{trainers.get(name).target} ({trainers.get(name).source}) is not a trainer "
+                         f"(no CONFIG_CLASS / run_from_config); available: {', '.join(trainers.names())}")
     return module
 
 

@@ -6,11 +6,15 @@
 ``hf:<path-or-id>``                a local transformers model, micro-batched, token-exact
 ``vllm:<path-or-id>``              vLLM's offline engine (GPU; needs the ``vllm`` extra)
 =================================  ==========================================================
+
+Backends are plugins (entry points of ``closedloop.backends``, :mod:`closedloop.models.backends`
+for the built-in ones), so a package adds ``<name>:<model>`` specs without editing this module.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from closedloop.models.base import (ContextLengthExceededError, GenerateRequest, ModelClient, ModelError,
                                     ModelUnavailableError, UnsupportedInputError,
@@ -35,17 +39,25 @@ class ModelSpec:
         return redact_spec(f"{self.backend}:{self.model}" + (f"@{self.base_url}" if self.base_url else "")) or ""
 
 
-BACKENDS = ("openai", "hf", "vllm")
+BACKENDS_GROUP = "closedloop.backends"
+# How each built-in backend's spec is written, for error messages; other backends are "<name>:<model>".
+_SPEC_FORMS = {"openai": "openai:<model>[@<base_url>]", "hf": "hf:<path-or-id>", "vllm": "vllm:<path-or-id>"}
 
 
 def parse_spec(spec: str) -> ModelSpec:
-    """``backend:model[@base_url]``; the URL part is only meaningful for ``openai``."""
+    """``backend:model[@base_url]``; the backend is a plugin of ``closedloop.backends`` (built in:
+    ``openai``, ``hf``, ``vllm``); the URL part is only meaningful for ``openai``."""
+    from closedloop.plugins import registry
     from closedloop.store.redact import redact_spec
 
     backend, sep, rest = spec.partition(":")
-    if not sep or backend not in BACKENDS or not rest:  # errors show the spec redacted: it may hold a key
-        raise ValueError(f"model spec {redact_spec(spec)!r} must look like one of: openai:<model>[@<base_url>], "
-                         f"hf:<path-or-id>, vllm:<path-or-id>")
+    known = registry(BACKENDS_GROUP)
+    backends = known.names()
+    if not sep or backend not in backends or not rest:  # errors show the spec redacted: it may hold a key
+        forms = [form for name, form in _SPEC_FORMS.items() if name in backends]
+        forms += [f"{name}:<model>" for name in backends if name not in _SPEC_FORMS]
+        raise ValueError(f"model spec {redact_spec(spec)!r} must look like one of: {', '.join(forms)}"
+                         if forms else f"model spec {redact_spec(spec)!r}: {known.missing_hint()}")
     base_url = None
     if backend == "openai" and "@" in rest:
         rest, base_url = rest.split("@", 1)
@@ -55,21 +67,11 @@ def parse_spec(spec: str) -> ModelSpec:
     return ModelSpec(backend, rest, base_url)
 
 
-def make_client(spec: str | ModelSpec, **kwargs) -> ModelClient:
-    """Build the client a spec names. Backend modules are imported here, only when used."""
+def make_client(spec: str | ModelSpec, **kwargs: Any) -> ModelClient:
+    """Build the client a spec names, through its backend plugin (which imports its client module
+    only now)."""
+    from closedloop.plugins import load
+
     s = parse_spec(spec) if isinstance(spec, str) else spec
-    if s.backend == "openai":
-        from closedloop.models.openai_client import OpenAIClient
-
-        return OpenAIClient(s.model, base_url=s.base_url, **kwargs)
-    if s.backend == "hf":
-        from closedloop.models.hf_vision import HFVisionClient, is_vision_checkpoint
-
-        if is_vision_checkpoint(s.model):  # a VLM: prompts through its processor
-            return HFVisionClient.from_pretrained(s.model, **kwargs)
-        from closedloop.models.hf import HFClient
-
-        return HFClient.from_pretrained(s.model, **kwargs)
-    from closedloop.models.vllm_client import VLLMClient
-
-    return VLLMClient(s.model, **kwargs)
+    client: ModelClient = load(BACKENDS_GROUP, s.backend)(s, **kwargs)
+    return client

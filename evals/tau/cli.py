@@ -1,7 +1,8 @@
 """``closedloop eval tau``: run (or resume) a τ-bench evaluation into the run store.
 
 Registered through the ``closedloop.benchmarks`` entry point ``tau`` (the core CLI imports no
-benchmark).
+benchmark). Building the parser imports only argparse; rich and the τ machinery are imported by
+the handler, when an evaluation runs.
 
 The evaluation is recorded as one ``eval`` run with one child run per episode, written as each
 episode ends, so a crash or Ctrl-C loses only the episodes in flight: rerun with the same
@@ -17,13 +18,11 @@ import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 SCENARIO_USER = "scenario"
 
@@ -91,6 +90,10 @@ def handle(args: argparse.Namespace) -> int:
 
 def _import(args: argparse.Namespace) -> int:
     """``closedloop eval tau import results.json``: tau2's own results, pass^k and counts."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
     from closedloop.evals.tau.metrics import results_metrics
     from closedloop.evals.tau.results import load_tau2_results
 
@@ -134,6 +137,8 @@ def _conventions_text(conventions: Any) -> str:
 
 def _pass_k_rows(table: Table, m: Any) -> None:
     """pass^k for each k asked; a k without a figure says which tasks are short of trials."""
+    from rich.markup import escape
+
     for k in sorted(m.num_tasks):
         if k in m.pass_hat_k:
             table.add_row(f"pass^{k}", f"{_fmt(m.pass_hat_k[k])}  ({m.num_tasks[k]} tasks)")
@@ -184,6 +189,11 @@ def _resume_name(store: Any, args: argparse.Namespace) -> str:
 
 
 async def _tau(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
     from closedloop.evals.tau.agents import make_agent_factory
     from closedloop.evals.tau.data import resolve_data_root
     from closedloop.evals.tau.orchestrator import load_user_guidelines
@@ -288,6 +298,9 @@ def _fmt(x: float | None) -> str:
 
 
 def _print_summary(console: Console, report: Any, store: Any) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
     s, m = report.summary, report.metrics
     title = f"τ eval {report.name}" + (" (resumed)" if report.resumed else "")
     table = Table(title=escape(title), show_header=False, caption=escape(f"run {report.parent_id} in {store.path}"))

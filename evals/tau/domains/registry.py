@@ -1,33 +1,29 @@
 """Domains by name: a DB model, a toolkit factory and where their files live.
 
-Adding a domain edits nothing here: define a :class:`Domain` and either call
-:func:`register_domain` (in-process) or publish it as an entry point of the group
-``closedloop.domains`` whose target is the :class:`Domain` (or a zero-argument function returning
-it). Built-in domains are imported lazily, on first use.
+Domains are plugins of the ``closedloop.domains`` entry-point group (:mod:`closedloop.plugins`):
+the built-ins (``retail``, ``airline``, ``telecom``) are declared in closedloop's ``pyproject.toml``
+and imported on first use. Adding a domain edits nothing here: define a :class:`Domain` and either
+publish it as an entry point of ``closedloop.domains`` whose target is the :class:`Domain` (or a
+zero-argument function returning it), or call :func:`register_domain` (in-process).
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from closedloop import plugins
 from closedloop.evals.tau.domains.base import TauDB, Toolkit
 
 __all__ = ["Domain", "register_domain", "get_domain", "available_domains", "UnknownDomainError"]
 
 ENTRY_POINT_GROUP = "closedloop.domains"
-_BUILTINS = {"retail": "closedloop.evals.tau.domains.retail", "airline": "closedloop.evals.tau.domains.airline",
-             "telecom": "closedloop.evals.tau.domains.telecom"}
-_REGISTRY: dict[str, "Domain"] = {}
 
 
-class UnknownDomainError(KeyError, ValueError):
+class UnknownDomainError(plugins.PluginNotFound, ValueError):
     """No domain of that name; a ValueError too, so front ends report it as bad input (one line)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -47,35 +43,28 @@ class Domain:
 
 
 def register_domain(domain: Domain, *, replace: bool = False) -> Domain:
-    existing = _REGISTRY.get(domain.name)
-    if existing is not None and existing is not domain and not replace:
-        raise ValueError(f"a τ domain named {domain.name!r} is already registered")
-    _REGISTRY[domain.name] = domain
-    return domain
-
-
-def _entry_points() -> dict:
-    from closedloop.plugins import available
-
-    return available(ENTRY_POINT_GROUP)
+    """Register a domain in this process under its name; a name already taken (by an entry point
+    or another registration) is a ``ValueError`` unless ``replace``."""
+    registered: Domain = plugins.registry(ENTRY_POINT_GROUP).register(domain.name, domain, replace=replace)
+    return registered
 
 
 def get_domain(name: str) -> Domain:
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if name in _BUILTINS:
-        importlib.import_module(_BUILTINS[name])  # registers itself on import
-        if name in _REGISTRY:
-            return _REGISTRY[name]
-    eps = _entry_points()
-    if name in eps:
-        target = eps[name].load()
-        domain = target if isinstance(target, Domain) else target()
-        if not isinstance(domain, Domain):
-            raise TypeError(f"entry point {name!r} of {ENTRY_POINT_GROUP} must give a Domain, got {type(domain).__name__}")
-        return register_domain(domain)
-    raise UnknownDomainError(f"no τ domain named {name!r}; available: {available_domains()}")
+    try:
+        target = plugins.load(ENTRY_POINT_GROUP, name)
+    except plugins.PluginNotFound as e:
+        raise UnknownDomainError(str(e)) from None
+    domain = target if isinstance(target, Domain) else _built(target)
+    if not isinstance(domain, Domain):
+        raise TypeError(f"entry point {name!r} of {ENTRY_POINT_GROUP} must give a Domain, got {type(domain).__name__}")
+    return domain
+
+
+@functools.cache
+def _built(factory: Callable[[], Any]) -> Any:
+    """A domain factory's result, made once (the same Domain for every lookup)."""
+    return factory()
 
 
 def available_domains() -> list[str]:
-    return sorted(set(_REGISTRY) | set(_BUILTINS) | set(_entry_points()))
+    return plugins.registry(ENTRY_POINT_GROUP).names()

@@ -2,8 +2,8 @@
 
 from closedloop.evals.tau.domains.airline.db import FlightDB
 from closedloop.evals.tau.domains.airline.tools import AirlineTools
-from closedloop.evals.tau.domains.registry import Domain, register_domain
+from closedloop.evals.tau.domains.registry import Domain
 
-AIRLINE = register_domain(Domain(name="airline", db_model=FlightDB, toolkit=AirlineTools))
+AIRLINE = Domain(name="airline", db_model=FlightDB, toolkit=AirlineTools)
 
 __all__ = ["AIRLINE", "AirlineTools", "FlightDB"]

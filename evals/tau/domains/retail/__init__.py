@@ -1,9 +1,9 @@
 """The retail domain (tau2 ``retail``): orders, returns, exchanges, address and payment changes."""
 
-from closedloop.evals.tau.domains.registry import Domain, register_domain
+from closedloop.evals.tau.domains.registry import Domain
 from closedloop.evals.tau.domains.retail.db import RetailDB
 from closedloop.evals.tau.domains.retail.tools import RetailTools
 
-RETAIL = register_domain(Domain(name="retail", db_model=RetailDB, toolkit=RetailTools))
+RETAIL = Domain(name="retail", db_model=RetailDB, toolkit=RetailTools)
 
 __all__ = ["RETAIL", "RetailDB", "RetailTools"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from closedloop.evals.tau.domains.registry import Domain, register_domain
+from closedloop.evals.tau.domains.registry import Domain
 from closedloop.evals.tau.domains.telecom.db import LineStatus, TelecomDB
 from closedloop.evals.tau.domains.telecom.tools import TelecomTools
 from closedloop.evals.tau.domains.telecom.user_db import PaymentRequest, TelecomUserDB
@@ -53,8 +53,8 @@ def sync_tools(env: Any) -> None:
             user_tools.db.surroundings.payment_request = PaymentRequest(bill_id=bill.bill_id, amount_due=bill.total_due)
 
 
-TELECOM = register_domain(Domain(name="telecom", db_model=TelecomDB, toolkit=TelecomTools,
-                                 user_db_model=TelecomUserDB, user_toolkit=TelecomUserTools,
-                                 policy_file="main_policy.md", policy_text=telecom_policy, sync_tools=sync_tools))
+TELECOM = Domain(name="telecom", db_model=TelecomDB, toolkit=TelecomTools,
+                  user_db_model=TelecomUserDB, user_toolkit=TelecomUserTools,
+                  policy_file="main_policy.md", policy_text=telecom_policy, sync_tools=sync_tools)
 
 __all__ = ["TELECOM", "TelecomTools", "TelecomUserTools", "TelecomDB", "TelecomUserDB", "sync_tools", "telecom_policy"]
