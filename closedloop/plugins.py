@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import sys
 import threading
 import tokenize
@@ -268,9 +269,15 @@ def module_summary(module: str) -> str:
     return _first_paragraph(doc)
 
 
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :mod:`closedloop.ui` -> closedloop.ui
+
+
 def _first_paragraph(doc: str | None) -> str:
+    """The docstring's first paragraph as one line of plain text (reST literals and roles unwrapped:
+    it is shown in terminals, where ``x`` and :mod:`x` are noise)."""
     paragraph = (doc or "").strip().split("\n\n")[0]
-    return " ".join(line.strip() for line in paragraph.splitlines())
+    line = " ".join(line.strip() for line in paragraph.splitlines())
+    return _ROLE.sub(r"\1", line).replace("``", "")
 
 
 def _first_string(tokens: Iterable[tokenize.TokenInfo]) -> str | None:

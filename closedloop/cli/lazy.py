@@ -68,7 +68,7 @@ def _hook(plugins: Registry, name: str) -> Callable[[argparse._SubParsersAction]
 
 
 def _help(summary: str) -> str:
-    """A module summary as subcommand help: "``closedloop runs``: list ... store." -> "list ... store."."""
-    if summary.startswith("``") and "``: " in summary:
-        summary = summary.split("``: ", 1)[1]
+    """A module summary as subcommand help: "closedloop runs: list ... store." -> "list ... store."."""
+    if summary.startswith("closedloop ") and ": " in summary:
+        summary = summary.split(": ", 1)[1]
     return summary.replace("%", "%%")  # argparse %-formats help
