@@ -78,6 +78,7 @@ async def mcp_tools(*, command: Sequence[str] | None = None, url: str | None = N
         else:
             from mcp.client.streamable_http import streamable_http_client
 
+            assert url is not None  # exactly one of command/url was given (checked above)
             read, write = await stack.enter_async_context(streamable_http_client(url))
         session = await stack.enter_async_context(ClientSession(read, write))
         await session.initialize()

@@ -15,7 +15,7 @@ import json
 import mimetypes
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -129,6 +129,13 @@ class ToolCall(BaseModel):
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    if TYPE_CHECKING:
+        # Every concrete message declares both as fields (``role`` a single Literal). Declared
+        # here for type checkers only: as runtime fields they would move ``content`` ahead of
+        # ToolMessage's ``tool_call_id`` and so change every serialised tool message's key order.
+        role: Literal["system", "user", "assistant", "tool"]
+        content: Content | None
+
     def to_openai(self) -> dict[str, Any]:
         """The message as the OpenAI API expects it (no ``None`` fields)."""
         return self.model_dump(mode="json", exclude_none=True, exclude={"reasoning"})
@@ -182,12 +189,12 @@ class _MessageList(BaseModel):
     messages: list[Message]
 
 
-def parse_messages(raw: list[dict[str, Any] | _Message]) -> list[_Message]:
+def parse_messages(raw: Sequence[dict[str, Any] | _Message]) -> list[_Message]:
     """Validate OpenAI-format message dicts (or messages) into typed messages."""
     return list(_MessageList(messages=[m if isinstance(m, _Message) else m for m in raw]).messages)
 
 
-def to_openai_messages(messages: list[_Message]) -> list[dict[str, Any]]:
+def to_openai_messages(messages: Sequence[_Message]) -> list[dict[str, Any]]:
     return [m.to_openai() for m in messages]
 
 
@@ -372,7 +379,7 @@ class Trajectory(BaseModel):
         for index, turn in enumerate(self.turns):
             if not turn.trainable and not include_untrainable:
                 continue
-            if not turn.has_tokens:
+            if turn.prompt_ids is None or turn.completion_ids is None:  # not turn.has_tokens
                 why = turn.unavailable.get("token_ids", "the backend did not return them")
                 raise MissingTokensError(f"turn {index} has no token ids: {why}")
             prompt, completion = list(turn.prompt_ids), list(turn.completion_ids)

@@ -118,7 +118,9 @@ class CrossModalMemory:
 
     def __len__(self) -> int:
         with self._lock:
-            return int(self._con.execute("SELECT count(*) FROM memory").fetchone()[0])
+            row = self._con.execute("SELECT count(*) FROM memory").fetchone()
+        assert row is not None  # an aggregate without GROUP BY always returns one row
+        return int(row[0])
 
     def close(self) -> None:
         self._con.close()

@@ -451,10 +451,10 @@ def arbg_toy(energy: ToyName = "gmm", num_bins: Annotated[int, Field(ge=2, le=10
     ref_e = toy.energy(run.reference).numpy()
     ref: ArrayRef | None = None
     if save_samples:
-        arrays = {"x": run.samples.numpy(), "log_q": run.log_q.numpy(), "energy": run.energy.numpy(),
-                  "weights": w.numpy()}
-        reserve = sum(a.nbytes for a in arrays.values()) + 2**16  # uncompressed .npz: headers and zip records
-        path = write_artifact("arbg-samples", ".npz", lambda f: np.savez(f, **arrays), reserve_bytes=reserve)
+        x, lq, en, wt = run.samples.numpy(), run.log_q.numpy(), run.energy.numpy(), w.numpy()
+        reserve = sum(a.nbytes for a in (x, lq, en, wt)) + 2**16  # uncompressed .npz: headers and zip records
+        path = write_artifact("arbg-samples", ".npz", lambda f: np.savez(f, x=x, log_q=lq, energy=en, weights=wt),
+                              reserve_bytes=reserve)
         ref = ArrayRef(path=str(path), shape=list(run.samples.shape), dtype="float64", key="x")
     n_ess = ess(run.log_w)
     return ToyReport(

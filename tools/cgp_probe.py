@@ -93,6 +93,7 @@ class CGPProbe(nn.Module):
             lo = act.masked_fill(~m, math.inf).min(-1).values
             hi = act.masked_fill(~m, -math.inf).max(-1).values
         if self.use_cls:
+            assert cls is not None  # use_cls without CLS tokens raised above
             middle = torch.einsum("l,lbd->bd", a, F.normalize(cls, dim=2)) @ p.T
         elif mask is None:
             middle = act.mean(-1)

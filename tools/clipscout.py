@@ -85,6 +85,8 @@ def read_frames(path: str | Path, times: Sequence[float]) -> list[Any]:
     with av.open(str(path)) as c:
         stream = c.streams.video[0]
         tb = stream.time_base
+        if tb is None:
+            raise ValueError(f"{path}: the video stream has no time base")
         for t in times:
             c.seek(int(t / tb), stream=stream, backward=True, any_frame=False)
             chosen = None
@@ -202,10 +204,10 @@ def write_video(path: str | Path, frames: Sequence[Any], fps: int = 8, audio: An
             samples = np.asarray(audio, dtype=np.float32).reshape(1, -1)
             block = 1024
             for i in range(0, samples.shape[1], block):
-                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, i:i + block]), format="fltp",
-                                                   layout="mono")
-                frame.sample_rate, frame.pts = audio_rate, i
-                for packet in track.encode(frame):
+                aframe = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, i:i + block]), format="fltp",
+                                                    layout="mono")
+                aframe.sample_rate, aframe.pts = audio_rate, i
+                for packet in track.encode(aframe):
                     c.mux(packet)
             for packet in track.encode():
                 c.mux(packet)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import abc
 
 from dataclasses import dataclass
+from functools import partial
 from itertools import combinations_with_replacement
 from typing import Annotated, Any, Callable, Literal
 
@@ -407,12 +408,12 @@ def conditional_krr_fit(dataset: str, features: str = "linear", kernel: KernelNa
     if len(x) > MAX_SAMPLES:
         raise ValueError(f"{len(x)} training samples; the exact solver is O(n^3), limit {MAX_SAMPLES}")
     test = load_dataset(dataset, x_test_key, y_test_key, test=True)
-    params = dict(kernel=kernel, gamma=gamma, alpha=alpha, degree=degree, coef0=coef0, n_landmarks=n_landmarks,
-                  random_state=seed)
-    model = ConditionalKernelRidge(features=features, **params).fit(x, y)
+    make = partial(ConditionalKernelRidge, kernel=kernel, gamma=gamma, alpha=alpha, degree=degree, coef0=coef0,
+                   n_landmarks=n_landmarks, random_state=seed)
+    model = make(features=features).fit(x, y)
     f_part, k_part = model.decompose(x)
     mse = lambda m, a, b: float(np.mean((m.predict(a) - b) ** 2))  # noqa: E731
-    plain = ConditionalKernelRidge(features=None, **params).fit(x, y) if compare_plain and kernel not in CPD_ORDER else None
+    plain = make(features=None).fit(x, y) if compare_plain and kernel not in CPD_ORDER else None
     test_mse = mse(model, *test) if test else None
     plain_test = mse(plain, *test) if plain is not None and test else None
     fs, ks = float(np.sum(f_part**2)), float(np.sum(k_part**2))

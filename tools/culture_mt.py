@@ -36,7 +36,7 @@ import math
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any, Literal, Sequence
+from typing import Annotated, Any, BinaryIO, Literal, Sequence
 
 import sacrebleu
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -471,7 +471,11 @@ async def culture_mt_judge(notes_path: str, hypotheses_path: str, judge_model: M
     data = "".join(json.dumps({**j.model_dump(), "domain": n.domain, "type": n.type, "hypothesis": h,
                                "sentence_bleu": b, "sentence_chrf": c}, ensure_ascii=False) + "\n"
                    for n, h, j, b, c in zip(notes, hyps, js, bleu, chrf)).encode("utf-8")
-    out = write_artifact("culture-mt-judgments", ".jsonl", lambda f: f.write(data), reserve_bytes=len(data))
+
+    def write(f: BinaryIO) -> None:
+        f.write(data)
+
+    out = write_artifact("culture-mt-judgments", ".jsonl", write, reserve_bytes=len(data))
     failed = [j for j in js if j.error]
     return JudgeReport(
         judge_model=judge_model, n=len(notes), judged=len(js) - len(failed), failed=len(failed),

@@ -135,7 +135,8 @@ class LocalCorpus(SearchBackend):
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             path.unlink()
-        rows, postings = [], []
+        rows: list[tuple[int, str, str, str, str, int]] = []
+        postings: list[tuple[str, int, int]] = []
         for i, d in enumerate(docs):
             if not isinstance(d, dict) or not isinstance(d.get("text"), str):
                 raise ValueError(f"document {i}: needs a 'text' string")
@@ -308,7 +309,9 @@ def backend_from_env(corpus: str | Path | None = None, env: dict[str, str] | Non
     base = env.get(f"{choice.upper()}_BASE_URL")
     if choice == "searxng":
         return SearxNGBackend(value)
-    cls = {"serper": SerperBackend, "tavily": TavilyBackend, "brave": BraveBackend}[choice]
+    keyed: dict[str, type[SerperBackend | TavilyBackend | BraveBackend]] = {
+        "serper": SerperBackend, "tavily": TavilyBackend, "brave": BraveBackend}
+    cls = keyed[choice]
     return cls(value, base) if base else cls(value)
 
 

@@ -86,7 +86,7 @@ def _output_tensor(out: Any) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fog_deltas(model: Callable[..., Any], blocks: Sequence[nn.Module], batches: Iterable[Any],
+def fog_deltas(model: Callable[..., Any], blocks: Sequence[nn.Module] | nn.ModuleList, batches: Iterable[Any],
                call: Callable[[Callable[..., Any], Any], Any] | None = None) -> np.ndarray:
     """Δ_ℓ = RMS(v_{−ℓ} − v) / RMS(v) for every block, averaged over ``batches``.
 

@@ -144,7 +144,7 @@ class ImageProjector:
             return out.reshape((self.shape[1],) + b.shape[1:])
         rhs = self.at @ b
         x = self._lu.solve(rhs)
-        target = self.rtol * max(np.linalg.norm(rhs), 1e-300)
+        target = self.rtol * max(float(np.linalg.norm(rhs)), 1e-300)
         for _ in range(self.max_refine):
             r = rhs - self.at @ (self.a @ x)
             if np.linalg.norm(r) <= target:

@@ -190,7 +190,7 @@ def _max_curvature(net: PCNetwork, hidden: list[torch.Tensor], x, y, iters: int 
     grads = torch.autograd.grad(net.energy(zs, x, y) * x.shape[0], zs, create_graph=True)
     lam = 1.0
     for _ in range(iters):
-        norm = torch.sqrt(sum((t ** 2).sum() for t in v))
+        norm = torch.sqrt(sum(((t ** 2).sum() for t in v), v[0].new_zeros(())))
         v = [t / norm for t in v]
         hv = torch.autograd.grad(grads, zs, grad_outputs=v, retain_graph=True)
         lam = float(sum((a * b).sum() for a, b in zip(hv, v)))

@@ -299,7 +299,9 @@ def _stats(scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, self_scores: 
         alive = q.sum(-1) > 0
         diag = torch.diagonal(self_scores, dim1=-2, dim2=-1)[alive]
         spread = float(diag.max() - diag.min()) if diag.numel() else None
-    auc = relevance_auc(scores, pair.q_group, pair.k_group) if pair is not None and pair.q_group is not None else None
+    auc = None
+    if pair is not None and pair.q_group is not None and pair.k_group is not None:
+        auc = relevance_auc(scores, pair.q_group, pair.k_group)
     return ScoreStats(density_correlation=density_correlation(scores, q, k), mean_score=float(scores.mean()),
                       self_score_spread=spread, relevance_auc=auc)
 

@@ -339,8 +339,8 @@ def evaluate_ranking_set(reranker: ListwiseReranker, examples: Sequence[RankingE
 
     With a VLM reranker the candidates are page image files (relative paths from ``base_dir``,
     the ranking set's folder when the tool loads it)."""
-    first = {f"recall@{k}": [] for k in ks} | {f"ndcg@{k}": [] for k in ks}
-    rer = {key: [] for key in first}
+    first: dict[str, list[float]] = {f"{m}@{k}": [] for m in ("recall", "ndcg") for k in ks}
+    rer: dict[str, list[float]] = {key: [] for key in first}
     reranker.n_forwards = 0
     t0 = time.perf_counter()
     for ex in examples:

@@ -30,7 +30,7 @@ def load_audio(source: str | Path | bytes, rate: int = SAMPLE_RATE) -> Any:
     import numpy as np
 
     handle = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else str(source)
-    with av.open(handle) as c:
+    with av.open(handle, "r") as c:
         if not c.streams.audio:
             raise NoAudioError(f"{'the audio bytes' if isinstance(source, (bytes, bytearray)) else source} "
                                f"has no audio track")

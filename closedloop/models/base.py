@@ -12,7 +12,7 @@ import asyncio
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Literal, Union
+from typing import Any, AsyncGenerator, Literal, Union
 
 from pydantic import BaseModel, Field
 
@@ -98,7 +98,7 @@ class ModelClient(ABC):
 
     async def stream(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
                      params: SamplingParams | None = None,
-                     tool_choice: ToolChoice | None = None) -> AsyncIterator[StreamEvent]:
+                     tool_choice: ToolChoice | None = None) -> AsyncGenerator[StreamEvent, None]:
         turn = await self.generate(messages, tools, params, tool_choice)
         if turn.message.text:
             yield TextDelta(turn.message.text)

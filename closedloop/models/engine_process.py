@@ -36,7 +36,7 @@ import logging
 import multiprocessing
 import threading
 from multiprocessing.connection import Connection
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any, AsyncGenerator, Callable, Iterable
 
 from closedloop.messages import Turn, _Message
 from closedloop.models.base import (ModelClient, ModelError, ModelUnavailableError, SamplingParams, StreamEvent,
@@ -339,7 +339,7 @@ class EngineProcessClient(ModelClient):
 
     async def stream(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
                      params: SamplingParams | None = None,
-                     tool_choice: ToolChoice | None = None) -> AsyncIterator[StreamEvent]:
+                     tool_choice: ToolChoice | None = None) -> AsyncGenerator[StreamEvent, None]:
         """Text deltas as the child decodes them, then the turn (as :meth:`HFClient.stream`)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, tuple]] = asyncio.Queue()

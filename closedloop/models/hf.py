@@ -57,7 +57,7 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncGenerator, Callable, Iterator
 
 from closedloop.messages import LogprobSpec, MediaRef, Turn, Usage, _Message
 from closedloop.models.base import (ContextLengthExceededError, GenerateRequest, ModelClient, ModelError, SamplingParams,
@@ -255,7 +255,8 @@ class HFClient(ModelClient):
                 raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32', 'bfloat16' or 'auto'")
             dtype = getattr(torch, dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **model_kwargs).to(device)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **model_kwargs)
+        model = model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to): typeshed's _Wrapped binds no self
         model.eval()
         return cls(model, tokenizer, name=str(path), max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
                    prompt_cache_tokens=prompt_cache_tokens)
@@ -316,7 +317,7 @@ class HFClient(ModelClient):
 
     async def stream(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
                      params: SamplingParams | None = None,
-                     tool_choice: ToolChoice | None = None) -> AsyncIterator[StreamEvent]:
+                     tool_choice: ToolChoice | None = None) -> AsyncGenerator[StreamEvent, None]:
         """Raw completion text as it is decoded (markup included); the deltas join to exactly
         ``turn.completion_text`` of the final :class:`TurnDone`."""
         deltas: asyncio.Queue[str] = asyncio.Queue()

@@ -45,16 +45,20 @@ class HFVisionClient(HFClient):
     """A transformers VLM (``AutoModelForImageTextToText`` + ``AutoProcessor``) behind the model interface."""
 
     def __init__(self, model: Any, processor: Any, *, name: str = "", max_batch_size: int = 16,
-                 batch_wait_ms: float = 5.0):
+                 batch_wait_ms: float = 5.0, batch_gap_ms: float | None = None, prompt_cache_tokens: int = 0):
         self.processor = processor
         tokenizer = processor.tokenizer
         if getattr(tokenizer, "chat_template", None) is None and getattr(processor, "chat_template", None):
             tokenizer.chat_template = processor.chat_template
-        super().__init__(model, tokenizer, name=name, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms)
+        # The prompt cache keys states by token ids alone, so it only ever serves text-only prompts
+        # (rows with media or processor extras are always prefilled; see HFClient._prefill).
+        super().__init__(model, tokenizer, name=name, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
+                         batch_gap_ms=batch_gap_ms, prompt_cache_tokens=prompt_cache_tokens)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: Any = "auto", max_batch_size: int = 16,
-                        batch_wait_ms: float = 5.0, **model_kwargs: Any) -> "HFVisionClient":
+                        batch_wait_ms: float = 5.0, prompt_cache_tokens: int = 0,
+                        **model_kwargs: Any) -> "HFVisionClient":
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -69,9 +73,10 @@ class HFVisionClient(HFClient):
             from transformers import AutoModelForMultimodalLM
 
             model = AutoModelForMultimodalLM.from_pretrained(str(path), dtype=dtype, **model_kwargs)
-        model = model.to(device)
+        model = model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to): typeshed's _Wrapped binds no self
         model.eval()
-        return cls(model, processor, name=str(path), max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms)
+        return cls(model, processor, name=str(path), max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
+                   prompt_cache_tokens=prompt_cache_tokens)
 
     # ------------------------------------------------------------------ the two hooks
 

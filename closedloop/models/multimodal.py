@@ -31,12 +31,12 @@ class MediaError(UnsupportedInputError):
 def has_media(messages: list[_Message]) -> bool:
     """Whether any message carries an image or audio part."""
     return any(isinstance(p, (ImagePart, AudioPart)) for m in messages
-               if isinstance(getattr(m, "content", None), list) for p in m.content)
+               if isinstance(m.content, list) for p in m.content)
 
 
 def media_kinds(messages: list[_Message]) -> set[str]:
     return {("image" if isinstance(p, ImagePart) else "audio") for m in messages
-            if isinstance(getattr(m, "content", None), list) for p in m.content
+            if isinstance(m.content, list) for p in m.content
             if isinstance(p, (ImagePart, AudioPart))}
 
 

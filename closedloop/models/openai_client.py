@@ -25,7 +25,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncGenerator, Literal
 
 import openai
 
@@ -108,7 +108,8 @@ def _is_context_overflow(e: Any) -> bool:
     """An OpenAI-style 400 for a prompt that does not fit: code ``context_length_exceeded`` (OpenAI,
     closedloop serve), or vLLM's/SGLang's wording ("maximum context length")."""
     body = e.body if isinstance(getattr(e, "body", None), dict) else {}
-    err = body.get("error") if isinstance(body.get("error"), dict) else body
+    inner = body.get("error")
+    err: dict[str, Any] = inner if isinstance(inner, dict) else body
     if getattr(e, "code", None) == "context_length_exceeded" or err.get("code") == "context_length_exceeded":
         return True
     text = f"{err.get('message', '')} {getattr(e, 'message', '')}".lower()
@@ -393,7 +394,7 @@ class OpenAIClient(ModelClient):
 
     async def stream(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
                      params: SamplingParams | None = None,
-                     tool_choice: ToolChoice | None = None) -> AsyncIterator[StreamEvent]:
+                     tool_choice: ToolChoice | None = None) -> AsyncGenerator[StreamEvent, None]:
         req = self._request(messages, tools, params, tool_choice, stream=True)
         start = time.perf_counter()
         acc = _Assembly()
@@ -422,8 +423,7 @@ class OpenAIClient(ModelClient):
             finally:
                 await stream.close()
         self._note_token_ids(req, acc.saw_ids)
-        calls = [ToolCall(id=c.get("id") or ToolCall.model_fields["id"].default_factory(),
-                          function=FunctionCall(name=c["name"], arguments=c["arguments"] or "{}"))
+        calls = [ToolCall.make(c["name"], c["arguments"] or "{}", id=c.get("id") or None)
                  for _, c in sorted(acc.calls.items()) if c["name"]]
         message = AssistantMessage(content="".join(acc.content) or None, tool_calls=calls or None,
                                    reasoning="".join(acc.reasoning) or None)

@@ -16,7 +16,10 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from closedloop.models.hf import HFClient
 
 TINY_CONFIG_FILE = "closedloop_tiny.json"
 
@@ -94,6 +97,14 @@ class TinyConfig:
 
 
 # --------------------------------------------------------------------------- synthetic data
+
+
+def token_id(tokenizer: Any, token: str) -> int:
+    """One token's id (transformers types ``convert_tokens_to_ids`` as ``int | list[int]`` whatever the input)."""
+    found = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(found, int):
+        raise ValueError(f"the tokenizer has no single id for {token!r}: {found!r}")
+    return found
 
 
 def _fn(name: str, description: str, props: dict[str, str]) -> dict[str, Any]:
@@ -348,7 +359,8 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, train_steps: int = 500,
                              max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
                              bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
                              eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                             pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0)
+                             pad_token_id=tokenizer.pad_token_id,
+                             rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
         model = Qwen2ForCausalLM(config)
         losses = _warm_up(model, tokenizer, cfg, examples, log) if cfg.train_steps else []
         model.generation_config.eos_token_id = [config.eos_token_id,
@@ -368,13 +380,16 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, train_steps: int = 500,
     return path
 
 
-def endless_client(spec: str, **kwargs: Any):
+def endless_client(spec: str, **kwargs: Any) -> "HFClient":
     """An ``hf:`` client that never stops at an end-of-sequence token: it decodes to ``max_tokens``
     (vLLM's ``ignore_eos``). The tiny model's replies are a few tokens long; cancellation and load
     tests need a request that is still decoding when they act. Module-level so that it can be an
     :class:`~closedloop.models.engine_process.EngineProcessClient` ``factory``."""
     from closedloop.models import make_client
+    from closedloop.models.hf import HFClient
 
     client = make_client(spec, **kwargs)
+    if not isinstance(client, HFClient):
+        raise ValueError(f"endless_client needs an hf: model (its decode loop), not {spec!r}")
     client._eos_ids = set()
     return client

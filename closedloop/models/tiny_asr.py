@@ -12,6 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
+from closedloop.models.tiny import token_id
+
 TINY_ASR_FILE = "closedloop_tiny_asr.json"
 _SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|translate|>",
              "<|nocaptions|>", "<|notimestamps|>", "<|startofprev|>", "<|startoflm|>"]
@@ -22,7 +24,7 @@ def build_tiny_asr(path: str | Path, *, phrase: str = "hello world", steps: int 
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (GenerationConfig, WhisperConfig, WhisperFeatureExtractor,
-                              WhisperForConditionalGeneration, WhisperProcessor, WhisperTokenizerFast)
+                              WhisperForConditionalGeneration, WhisperProcessor, WhisperTokenizer)
 
     path = Path(path)
     if path.exists():
@@ -36,10 +38,10 @@ def build_tiny_asr(path: str | Path, *, phrase: str = "hello world", steps: int 
                             trainers.BpeTrainer(vocab_size=300, special_tokens=_SPECIALS,
                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     bpe.save(str(path / "tokenizer.json"))
-    tok = WhisperTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), unk_token="<|endoftext|>",
+    tok = WhisperTokenizer(tokenizer_file=str(path / "tokenizer.json"), unk_token="<|endoftext|>",
                                bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                                additional_special_tokens=_SPECIALS[1:])
-    ids = {t: tok.convert_tokens_to_ids(t) for t in _SPECIALS}
+    ids = {t: token_id(tok, t) for t in _SPECIALS}
     processor = WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80), tokenizer=tok)
     cfg = WhisperConfig(vocab_size=len(tok), num_mel_bins=80, encoder_layers=1, decoder_layers=1,
                         encoder_attention_heads=2, decoder_attention_heads=2, d_model=32, encoder_ffn_dim=64,

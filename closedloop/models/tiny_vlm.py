@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from closedloop.models.tiny import token_id
+
 IMAGE_TOKEN = "<image>"
 AUDIO_TOKENS = ("<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>")
 TINY_VLM_FILE = "closedloop_tiny_vlm.json"
@@ -69,7 +71,7 @@ def build_tiny_vlm(path: str | Path, text_model: str | Path, *, seed: int = 0, i
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                               image_size=image_size, patch_size=patch_size)
     config = LlavaConfig(vision_config=vision, text_config=_text_config(text, tokenizer),
-                         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                         image_token_index=token_id(tokenizer, IMAGE_TOKEN),
                          vision_feature_select_strategy="default", vision_feature_layer=-1)
     model = LlavaForConditionalGeneration(config).eval()
     _copy_text_weights(model, text)
@@ -154,7 +156,7 @@ def build_tiny_audio_lm(path: str | Path, text_model: str | Path, *, seed: int =
     config = Qwen2AudioConfig(audio_config=dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2,
                                                 encoder_ffn_dim=64, d_model=32, max_source_positions=1500),
                               text_config={**_text_config(text, tokenizer), "model_type": "qwen2"},
-                              audio_token_index=tokenizer.convert_tokens_to_ids("<|AUDIO|>"))
+                              audio_token_index=token_id(tokenizer, "<|AUDIO|>"))
     model = Qwen2AudioForConditionalGeneration(config).eval()
     _copy_text_weights(model, text)
     model.generation_config.eos_token_id = text.generation_config.eos_token_id

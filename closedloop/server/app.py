@@ -96,6 +96,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -157,7 +158,7 @@ def _validation_error(e: ValidationError, prefix: str = "") -> APIError:
     Pydantic's location includes union-member labels (``user``, ``str``); they mean nothing to the
     caller and are left out of the path.
     """
-    def path(err: dict[str, Any]) -> str:
+    def path(err: ErrorDetails) -> str:
         parts = [str(p) for p in err.get("loc", ())
                  if not (isinstance(p, str) and (p in _UNION_LABELS or "[" in p))]
         if prefix and parts[:1] == [prefix]:
@@ -334,7 +335,7 @@ def _decode_tokens(client: ModelClient, ids: list[int]) -> list[str]:
     return [f"token_id:{i}" for i in ids]
 
 
-def _logprobs(client: ModelClient, turn: Turn) -> ChoiceLogprobs | None:
+def _logprobs(client: ModelClient, turn: Turn) -> ChoiceLogprobs:
     if turn.completion_ids is None or turn.logprobs is None:
         return ChoiceLogprobs(content=[])
     tokens = _decode_tokens(client, turn.completion_ids)

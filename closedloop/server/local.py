@@ -68,6 +68,7 @@ def serve_subprocess(model: str, *extra: str, served_name: str = "tiny", port: i
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
+                assert proc.stdout is not None  # stdout=PIPE
                 raise RuntimeError(f"closedloop serve exited: {proc.stdout.read().decode(errors='replace')}")
             try:
                 if httpx.get(f"{url}/models", timeout=1).status_code == 200:

@@ -258,7 +258,8 @@ class ClarifyEnv(BuiltinEnv):
             """
             return self._submit(candidate_id)
 
-        if self.options.item_ids == "values":  # the example id in the schema matches the catalogue's ids
+        # the example id in the schema matches the catalogue's ids (no docstring at all under python -OO)
+        if self.options.item_ids == "values" and submit.__doc__:
             submit.__doc__ = submit.__doc__.replace("'c3'", repr(self.candidates[-1].id))
 
         self.registry.register(Tool(ask, description=f"Ask the customer which value they want for one attribute "

@@ -278,7 +278,10 @@ def wait_k_emissions(sentences: Sequence[SentencePair], k: int) -> list[tuple[in
 
     def when(_k: int, p: SentencePair, i: int, w: str) -> tuple[int, str]:
         t = min(k + i, len(p.source))
-        return t, (w if p.align[i] <= t else guesses[roles[i]] if roles[i] else w)
+        if p.align[i] <= t:
+            return t, w
+        role = roles[i]
+        return t, guesses[role] if role else w
 
     return _schedule(sentences, when)
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from closedloop.agents.factguard import STAGE1_SYSTEM_PROMPT, DecisionReward, parse_verdict, sample_prompt
+from closedloop.agents.factguard import STAGE1_SYSTEM_PROMPT, DecisionReward, Verdict, parse_verdict, sample_prompt
 from closedloop.evals.envs.base import BuiltinEnv, EnvOptions
 from closedloop.evals.factguard.data import Sample, load_samples, temporal_split
 from closedloop.graphs.factguard import stage2_messages
@@ -109,7 +109,7 @@ class FactGuardEnv(BuiltinEnv):
         self._tmp = tempfile.TemporaryDirectory(prefix="closedloop-factguard-")
         self.sample: Sample | None = None
         self.used_tools: list[str] = []
-        self.verdict = None
+        self.verdict: Verdict | None = None
 
     def _setup(self, rng: random.Random) -> list[_Message]:
         o: FactGuardOptions = self.options  # type: ignore[assignment]

@@ -85,8 +85,8 @@ async def aevaluate_factguard(samples: list[Sample], client: ModelClient, backen
                 transcript = await asyncio.to_thread(transcribe, s.video, asr)
             text = sample_prompt(s.metadata, transcript)
             if vision and s.video:
-                path = Path(tmp.name) / f"overview-{s.id}.png"
-                await asyncio.to_thread(lambda: overview_image(s.video, max_side).save(path))
+                path, video = Path(tmp.name) / f"overview-{s.id}.png", s.video
+                await asyncio.to_thread(lambda: overview_image(video, max_side).save(path))
                 user = UserMessage(content=[ImagePart.from_path(path), TextPart(text=text)])
             else:
                 user = UserMessage(content=text)

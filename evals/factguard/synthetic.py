@@ -90,7 +90,7 @@ def make_synthetic(out_dir: str | Path, n: int = 40, *, seed: int = 0, evidence_
                 sound = (0.3 * np.sin(2 * np.pi * rng.choice([220, 330, 440]) * t)).astype(np.float32)
             write_video(out / "videos" / f"{sid}.mp4", _frames(claim, fake, rng, frames, size), fps=fps, audio=sound)
             video = f"videos/{sid}.mp4"
-        transcript = f"Look at this! {claim[0].upper() + claim[1:]}. Share before they delete it."
+        transcript: str | None = f"Look at this! {claim[0].upper() + claim[1:]}. Share before they delete it."
         metadata = f"title: {claim}; uploader: {rng.choice(UPLOADERS)}; published: {when.date().isoformat()}"
         if rng.random() < missing_transcripts:
             transcript = None  # the ASR expert must supply it

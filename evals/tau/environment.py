@@ -125,7 +125,7 @@ class Environment:
     @staticmethod
     def _replace_db(toolkit: Toolkit, data: dict[str, Any]) -> None:
         new_db = type(toolkit.db).model_validate(data)
-        toolkit.__init__(new_db, descriptions=toolkit._descriptions, **toolkit.options)  # rebind the tools
+        type(toolkit).__init__(toolkit, new_db, descriptions=toolkit._descriptions, **toolkit.options)  # rebind the tools
 
     # ------------------------------------------------------------------ tools
 
@@ -168,7 +168,7 @@ class Environment:
             result = ToolResult(call.name, f"Error: {msg}", msg, "unknown_tool")
         else:
             tool = registry.get(call.name)
-            if requestor != "assistant" or tool.mutates:  # type: ignore[attr-defined]
+            if requestor != "assistant" or tool.mutates:
                 self._own()
             arguments: Any = call.function.arguments
             if self.options.get("json_string_args"):

@@ -320,6 +320,7 @@ class TauRunner:
                                                                     gold_sync=gold_sync)))
 
     def _record(self, sim: SimulationRun) -> None:
+        assert self.parent_id is not None  # _run opens the parent before any episode is written
         record_episode(self.store, self.parent_id, sim, eval_name=self.settings.name, graph=self.settings.agent,
                        model_spec=self.settings.model)
 
@@ -364,8 +365,8 @@ class TauRunner:
             if self.on_episode is not None:
                 self.on_episode(sim, progress)
 
-        batch = BatchRunner(lambda item: self._episode(*item), self._record, concurrency=s.concurrency,
-                            after_write=after_write)
+        batch: BatchRunner[tuple[Task, int], SimulationRun] = BatchRunner(
+            lambda item: self._episode(*item), self._record, concurrency=s.concurrency, after_write=after_write)
         if queue:
             self._start_pool()
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from enum import Enum
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 from pydantic import BaseModel, Field
 
@@ -108,7 +108,7 @@ class RewardInfo(BaseModel):
         if self.reward is None:
             return None
 
-        def dump(items: Optional[list[BaseModel]], fields: tuple[str, ...]) -> Optional[list[dict[str, Any]]]:
+        def dump(items: Optional[Sequence[BaseModel]], fields: tuple[str, ...]) -> Optional[list[dict[str, Any]]]:
             if items is None:
                 return None
             return [{f: v for f, v in item.model_dump(mode="json").items() if f in fields} for item in items]

@@ -115,7 +115,8 @@ class _Ids:
     """Random numeric ids, unique within one domain."""
 
     def __init__(self, rng: random.Random) -> None:
-        self.rng, self.used = rng, set()
+        self.rng = rng
+        self.used: set[str] = set()
 
     def digits(self, n: int) -> str:
         while True:

@@ -8,7 +8,7 @@ The core :class:`closedloop.messages.UserMessage` has text only; :class:`TauUser
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Iterator, Union
+from typing import Annotated, Any, Iterator, Sequence, Union
 
 from pydantic import BeforeValidator, Field
 
@@ -18,7 +18,7 @@ __all__ = ["TauUserMessage", "TauMessage", "tool_calls_of", "requestors"]
 
 
 class TauUserMessage(UserMessage):
-    content: Any = None  # type: ignore[assignment]
+    content: Any = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -33,7 +33,7 @@ TauMessage = Annotated[Union[SystemMessage, TauUserMessage, AssistantMessage, To
                        Field(discriminator="role"), BeforeValidator(_as_tau_user)]
 
 
-def tool_calls_of(messages: list[_Message]) -> Iterator[tuple[ToolCall, str]]:
+def tool_calls_of(messages: Sequence[_Message]) -> Iterator[tuple[ToolCall, str]]:
     """Every tool call of a conversation in order, with its requestor ("assistant" or "user")."""
     for m in messages:
         calls = getattr(m, "tool_calls", None)
@@ -43,6 +43,6 @@ def tool_calls_of(messages: list[_Message]) -> Iterator[tuple[ToolCall, str]]:
                 yield call, requestor
 
 
-def requestors(messages: list[_Message]) -> dict[str, str]:
+def requestors(messages: Sequence[_Message]) -> dict[str, str]:
     """tool_call_id -> requestor."""
     return {call.id: who for call, who in tool_calls_of(messages)}

@@ -106,6 +106,23 @@ def test_batching_image_rows_with_text_rows_changes_no_seeded_sample(vlm):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_a_vlm_takes_the_prompt_cache_and_keeps_images_out_of_it(vlm, tiny_vlm_path):
+    """``closedloop serve`` gives every hf: model ``prompt_cache_tokens``; a VLM used to hand it on to
+    the transformers model (a TypeError at load). The cache serves repeated text-only prompts; an
+    image prompt is always prefilled, since another picture has the same ids but another state."""
+    cached = make_client(f"hf:{tiny_vlm_path}", prompt_cache_tokens=4096)
+    assert isinstance(cached, HFVisionClient) and cached.prompt_cache is not None
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    conversations = [[UserMessage(content="What is 3 plus 4?")]] * 2 + [[image_message(png(0))],
+                                                                       [image_message(png(1))]]
+    for messages in conversations:
+        a, b = run(cached.generate(messages, params=greedy)), run(vlm.generate(messages, params=greedy))
+        assert a.completion_ids == b.completion_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert cached.prompt_cache.stats()["hits"] == 1  # the repeated text prompt, and nothing else
+    assert cached.prompt_cache.stats()["entries"] == 1
+
+
 def test_text_only_model_refuses_media_clearly(text):
     with pytest.raises(UnsupportedInputError, match="text-only model and cannot read image parts"):
         run(text.generate([image_message(png(0))]))

@@ -52,19 +52,24 @@ def _pairing(l_a: int, l_b: int, l_c: int) -> tuple[list[str], list[str], list[s
     eps = None
     if (l_a + l_b + l_c) % 2:
         i, j, k = next(letters), next(letters), next(letters)
-        a.append(i), b.append(j), c.append(k)
+        a.append(i)
+        b.append(j)
+        c.append(k)
         eps = i + j + k
         l_a, l_b, l_c = l_a - 1, l_b - 1, l_c - 1
     k_ab, k_ac, k_bc = (l_a + l_b - l_c) // 2, (l_a + l_c - l_b) // 2, (l_b + l_c - l_a) // 2
     for _ in range(k_ab):
         x = next(letters)
-        a.append(x), b.append(x)
+        a.append(x)
+        b.append(x)
     for _ in range(k_ac):
         x = next(letters)
-        a.append(x), c.append(x)
+        a.append(x)
+        c.append(x)
     for _ in range(k_bc):
         x = next(letters)
-        b.append(x), c.append(x)
+        b.append(x)
+        c.append(x)
     return a, b, c, eps
 
 

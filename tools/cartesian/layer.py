@@ -216,7 +216,8 @@ class CartesianTensorProduct(torch.nn.Module):
             a = x1[..., s1[p.i1]].reshape(*batch, m1, 3**ir1.l)
             b = x2[..., s2[p.i2]].reshape(*batch, m2, 3**ir2.l)
             y = torch.einsum("...ui,...vj,ijk,uvw->...wk", a, b, getattr(self, p.key), w) * self.alpha[p.io]
-            blocks[p.io] = y if blocks[p.io] is None else blocks[p.io] + y
+            prev = blocks[p.io]
+            blocks[p.io] = y if prev is None else prev + y
         out = []
         for io, (mo, iro) in enumerate(self.irreps_out.items):
             block = blocks[io]

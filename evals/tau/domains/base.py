@@ -22,6 +22,7 @@ import hashlib
 import inspect
 import json
 import time
+import types
 import typing
 from datetime import date, datetime
 from enum import Enum
@@ -30,6 +31,7 @@ from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+_orjson: types.ModuleType | None
 try:  # optional speed-up; present wherever langsmith/langgraph is installed
     import orjson as _orjson
 except ImportError:  # pragma: no cover
@@ -185,7 +187,7 @@ class TauTool(Tool):
             if name in param_help:
                 default = Field(default, description=param_help[name])
             params[name] = (anno, default)
-        return description, create_model("parameters", **params)  # type: ignore[call-overload]
+        return description, create_model("parameters", **params)
 
     @property
     def parameters(self) -> dict[str, Any]:

@@ -34,9 +34,9 @@ class Domain:
 
     name: str
     db_model: type[TauDB]
-    toolkit: Callable[[TauDB], Toolkit]
+    toolkit: Callable[..., Toolkit]  # (db, *, descriptions=..., **options), a Toolkit class as a rule
     user_db_model: type[TauDB] | None = None
-    user_toolkit: Callable[[TauDB], Toolkit] | None = None
+    user_toolkit: Callable[..., Toolkit] | None = None
     policy_file: str = "policy.md"
     policy_text: Callable[[Path], str] | None = None  # composes the policy from the domain folder (telecom)
     sync_tools: Callable[[Any], None] | None = None  # reconciles agent and user DBs after each step (tau2)

@@ -43,12 +43,12 @@ def needs_judge(task: Task, *, judge_all: bool = False) -> bool:
 
 def _tool_types(env: Environment | None, environment_factory: EnvironmentFactory) -> dict[str, str]:
     data = getattr(environment_factory, "__self__", None)
-    if env is None and hasattr(data, "tool_types"):
+    if env is None and data is not None and hasattr(data, "tool_types"):
         return data.tool_types()
     env = env or environment_factory()
     kinds = {t.name: t.kind for t in env.tool_list}  # type: ignore[attr-defined]
     if env.user_tools is not None:
-        kinds.update({t.name: t.kind for t in env.user_tools})  # type: ignore[attr-defined]
+        kinds.update({t.name: t.kind for t in env.user_tools})
     return kinds
 
 

@@ -6,14 +6,14 @@ argument match the value it encodes."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from closedloop.evals.tau.data_model import Task
 from closedloop.evals.tau.simulation import ActionCheck
 from closedloop.messages import AssistantMessage, UserMessage, _Message
 
 
-def episode_tool_calls(messages: list[_Message]) -> list[tuple[str, dict[str, Any]]]:
+def episode_tool_calls(messages: Sequence[_Message]) -> list[tuple[str, dict[str, Any]]]:
     calls: list[tuple[str, dict[str, Any]]] = []
     for m in messages:
         if isinstance(m, (AssistantMessage, UserMessage)) and getattr(m, "tool_calls", None):
@@ -25,7 +25,7 @@ def episode_tool_calls(messages: list[_Message]) -> list[tuple[str, dict[str, An
     return calls
 
 
-def check_actions(messages: list[_Message], task: Task, tool_types: dict[str, str] | None = None, *,
+def check_actions(messages: Sequence[_Message], task: Task, tool_types: dict[str, str] | None = None, *,
                   normalize_json_args: bool = False) -> tuple[list[ActionCheck] | None, float, dict | None]:
     """(checks, reward, info): checks is None and info a note when the task has no gold actions."""
     actions = (task.evaluation_criteria.actions if task.evaluation_criteria else None) or []

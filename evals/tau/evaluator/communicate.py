@@ -4,12 +4,14 @@ lowercased with commas removed (tau2 ``CommunicateEvaluator``; note that "10" al
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from closedloop.evals.tau.data_model import Task
 from closedloop.evals.tau.simulation import CommunicateCheck
 from closedloop.messages import AssistantMessage, _Message
 
 
-def check_communicate(messages: list[_Message], task: Task) -> tuple[list[CommunicateCheck] | None, float, dict | None]:
+def check_communicate(messages: Sequence[_Message], task: Task) -> tuple[list[CommunicateCheck] | None, float, dict | None]:
     """(checks, reward, info): checks is None and info a note when there is nothing to check."""
     infos = (task.evaluation_criteria.communicate_info if task.evaluation_criteria else None) or []
     if not infos:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from closedloop.evals.tau.data_model import Task
 from closedloop.evals.tau.environment import Environment, EnvironmentFactory
@@ -37,7 +37,7 @@ class DBResult:
     replay_mismatches: list[dict[str, Any]] = field(default_factory=list)
 
 
-def replay_trajectory(env: Environment, messages: list[_Message], *, strict: bool = True) -> list[dict[str, Any]]:
+def replay_trajectory(env: Environment, messages: Sequence[_Message], *, strict: bool = True) -> list[dict[str, Any]]:
     """Re-run the mutating tool calls of ``messages`` (the agent's and the user's) into ``env``;
     returns output mismatches. Calls to tools that do not exist are no-ops, as in tau2."""
     recorded = {m.tool_call_id: m for m in messages if isinstance(m, ToolMessage)}
@@ -143,7 +143,7 @@ def _gold_state(task: Task, environment_factory: EnvironmentFactory, gold_sync: 
 _PRED_CACHE: "OrderedDict[tuple, tuple[str, str | None, list[dict[str, Any]]]]" = OrderedDict()
 
 
-def _predicted_key(data_key: Any, messages: list[_Message], task: Task, env_types: Any) -> tuple | None:
+def _predicted_key(data_key: Any, messages: Sequence[_Message], task: Task, env_types: Any) -> tuple | None:
     if data_key is None:
         return None
     recorded = {m.tool_call_id: m.text for m in messages if isinstance(m, ToolMessage)}
@@ -153,7 +153,7 @@ def _predicted_key(data_key: Any, messages: list[_Message], task: Task, env_type
     return (data_key, initial, calls)
 
 
-def check_db(messages: list[_Message], task: Task, environment_factory: EnvironmentFactory,
+def check_db(messages: Sequence[_Message], task: Task, environment_factory: EnvironmentFactory,
              *, strict: bool = True, gold_sync: bool = False) -> DBResult:
     gold_hash, gold_user_hash, failures = _gold_state(task, environment_factory, gold_sync)
     needs_state = bool(task.evaluation_criteria and task.evaluation_criteria.env_assertions)

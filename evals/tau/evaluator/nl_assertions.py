@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Sequence
 
 from closedloop.evals.tau.simulation import NLAssertionCheck
 from closedloop.messages import AssistantMessage, SystemMessage, UserMessage, Usage, _Message
@@ -55,7 +56,7 @@ class NLResult:
     info: dict | None = None  # tau2's component info (a note when there was nothing to judge)
 
 
-def transcript(messages: list[_Message]) -> str:
+def transcript(messages: Sequence[_Message]) -> str:
     """tau2's "role: content" rendering (tool-call-only messages show ``None``, as upstream)."""
     lines = []
     for m in messages:
@@ -64,7 +65,7 @@ def transcript(messages: list[_Message]) -> str:
     return "\n".join(lines)
 
 
-def judge_messages(messages: list[_Message], assertions: list[str]) -> list[_Message]:
+def judge_messages(messages: Sequence[_Message], assertions: list[str]) -> list[_Message]:
     user_prompt = f"""
         conversation:
         {transcript(messages)}
@@ -81,7 +82,7 @@ def _parse(text: str) -> dict:
     return json.loads(fenced.group(1) if fenced else text)
 
 
-async def check_nl_assertions(messages: list[_Message], assertions: list[str] | None,
+async def check_nl_assertions(messages: Sequence[_Message], assertions: list[str] | None,
                               judge: ModelClient | None, params: SamplingParams | None = None) -> NLResult:
     if not assertions:
         return NLResult(checks=[], reward=1.0, info={"note": "No nl_assertions to evaluate"})

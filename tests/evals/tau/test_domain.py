@@ -153,3 +153,23 @@ def test_a_tool_parameter_named_like_tau2s_dispatcher_is_refused_when_the_toolki
     such a tool there, so a domain that declares one fails at once, with the reason."""
     with pytest.raises(ValueError, match="'whoami' has a parameter named 'requestor'.*rename it"):
         RequestorTools(CounterDB())
+
+
+def test_airline_list_arguments_are_coerced_as_tau2_does():
+    """tau2's tools get the raw JSON kwargs and turn a list of objects into models; any other list is
+    used as given, so even its objects fail at their first use, with Python's own error text."""
+    from pathlib import Path
+
+    data = load_domain("airline", Path(__file__).parent / "fixtures", tau2_source=False)
+    env = data.make_environment()
+    passengers = [{"first_name": "Chen", "last_name": "Lee", "dob": "1967-12-12"}]
+    ok = env.run_tool_call(ToolCall.make("update_reservation_passengers",
+                                         {"reservation_id": "JW6LEQ", "passengers": passengers}))
+    assert ok.error is None and json.loads(ok.text)["passengers"] == passengers
+    mixed = env.run_tool_call(ToolCall.make("update_reservation_flights", {
+        "reservation_id": "JW6LEQ", "cabin": "business", "payment_id": "credit_card_4938634",
+        "flights": [{"flight_number": "HAT147", "date": "2024-05-26"}, "HAT112"]}))
+    assert mixed.text == "Error: 'dict' object has no attribute 'flight_number'"
+    incomplete = env.run_tool_call(ToolCall.make("update_reservation_passengers",
+                                                 {"reservation_id": "JW6LEQ", "passengers": [{"first_name": "Chen"}]}))
+    assert incomplete.error is not None and "validation errors for Passenger" in incomplete.text

@@ -2,13 +2,17 @@
 
 Ported from tau2-bench (``src/tau2/domains/airline/tools.py`` at a2c0247; MIT License, Copyright
 (c) 2025 Sierra Research): the code is tau2's, with imports adapted, so schemas, outputs, errors
-and DB hashes follow upstream's.
+and DB hashes follow upstream's. One typed difference: tau2's coercion of a list argument
+(``if all(isinstance(x, dict) ...): x = [Model(**x) ...]``) is :func:`_as_models`, so the items
+that follow are typed as the models; it converts and fails exactly as tau2's lines do.
 """
 
 from copy import deepcopy
-from typing import List, Optional
+from typing import Any, List, Optional, TypeVar, cast
 
 import logging
+
+from pydantic import BaseModel
 
 from closedloop.evals.tau.domains.airline.db import (
     AirportCode,
@@ -33,6 +37,17 @@ from closedloop.evals.tau.domains.base import Toolkit as ToolKitBase
 from closedloop.evals.tau.domains.base import ToolType, is_tool
 
 logger = logging.getLogger(__name__)
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _as_models(model: type[_M], items: List[_M | dict[str, Any]]) -> List[_M]:
+    """tau2's coercion of a list argument (tools get the raw JSON kwargs): a list of dicts becomes
+    models; any other list is used as given, so an item that is not a model fails where it is
+    first used, with tau2's error text (hence the cast: the caller reads them as models)."""
+    if all(isinstance(item, dict) for item in items):
+        return [model(**cast(dict[str, Any], item)) for item in items]
+    return cast(List[_M], items)
 
 # TODO: Add an abstract base class for the tools
 
@@ -93,7 +108,7 @@ class AirlineTools(ToolKitBase):  # Tools
                 return reservation_id
         raise ValueError("Too many reservations")
 
-    def _get_new_payment_id(self) -> str:
+    def _get_new_payment_id(self) -> list[int]:
         """Get a new payment id.
         Assume each task makes at most 3 payments
 
@@ -141,8 +156,9 @@ class AirlineTools(ToolKitBase):  # Tools
                     status="available",
                     scheduled_departure_time_est=flight.scheduled_departure_time_est,
                     scheduled_arrival_time_est=flight.scheduled_arrival_time_est,
-                    available_seats=flight.dates[date].available_seats,
-                    prices=flight.dates[date].prices,
+                    # status == "available" above: a FlightDateStatusAvailable (mypy narrows no index)
+                    available_seats=flight.dates[date].available_seats,  # type: ignore[union-attr]
+                    prices=flight.dates[date].prices,  # type: ignore[union-attr]
                 )
                 results.append(direct_flight)
         return results
@@ -219,14 +235,9 @@ class AirlineTools(ToolKitBase):  # Tools
             nonfree_baggages: The number of non-free baggage items to book the reservation.
             insurance: Whether the reservation has insurance.
         """
-        if all(isinstance(flight, dict) for flight in flights):
-            flights = [FlightInfo(**flight) for flight in flights]
-        if all(isinstance(passenger, dict) for passenger in passengers):
-            passengers = [Passenger(**passenger) for passenger in passengers]
-        if all(isinstance(payment_method, dict) for payment_method in payment_methods):
-            payment_methods = [
-                Payment(**payment_method) for payment_method in payment_methods
-            ]
+        flight_infos = _as_models(FlightInfo, flights)
+        passenger_models = _as_models(Passenger, passengers)
+        payments = _as_models(Payment, payment_methods)
         user = self._get_user(user_id)
         reservation_id = self._get_new_reservation_id()
 
@@ -238,8 +249,8 @@ class AirlineTools(ToolKitBase):  # Tools
             flight_type=flight_type,
             cabin=cabin,
             flights=[],
-            passengers=deepcopy(passengers),
-            payment_history=deepcopy(payment_methods),
+            passengers=deepcopy(passenger_models),
+            payment_history=deepcopy(payments),
             created_at=self._get_datetime(),
             total_baggages=total_baggages,
             nonfree_baggages=nonfree_baggages,
@@ -250,7 +261,7 @@ class AirlineTools(ToolKitBase):  # Tools
         total_price = 0
         all_flights_date_data: list[FlightDateStatusAvailable] = []
 
-        for flight_info in flights:
+        for flight_info in flight_infos:
             flight_number = flight_info.flight_number
             flight = self._get_flight(flight_number)
             flight_date_data = self._get_flight_instance(
@@ -262,7 +273,7 @@ class AirlineTools(ToolKitBase):  # Tools
                     f"Flight {flight_number} not available on date {flight_info.date}"
                 )
             # Checking seat availability
-            if flight_date_data.available_seats[cabin] < len(passengers):
+            if flight_date_data.available_seats[cabin] < len(passenger_models):
                 raise ValueError(f"Not enough seats on flight {flight_number}")
             # Calculate price
             price = flight_date_data.prices[cabin]
@@ -277,16 +288,16 @@ class AirlineTools(ToolKitBase):  # Tools
                 )
             )
             all_flights_date_data.append(flight_date_data)
-            total_price += price * len(passengers)
+            total_price += price * len(passenger_models)
 
         # Add insurance fee
         if insurance == "yes":
-            total_price += 30 * len(passengers)
+            total_price += 30 * len(passenger_models)
 
         # Add baggage fee
         total_price += 50 * nonfree_baggages
 
-        for payment_method in payment_methods:
+        for payment_method in payments:
             payment_id = payment_method.payment_id
             amount = payment_method.amount
             if payment_id not in user.payment_methods:
@@ -299,14 +310,14 @@ class AirlineTools(ToolKitBase):  # Tools
                         f"Not enough balance in payment method {payment_id}"
                     )
 
-        total_payment = sum(payment.amount for payment in payment_methods)
+        total_payment = sum(payment.amount for payment in payments)
         if total_payment != total_price:
             raise ValueError(
                 f"Payment amount does not add up, total price is {total_price}, but paid {total_payment}"
             )
 
         # if checks pass, deduct payment
-        for payment_method in payment_methods:
+        for payment_method in payments:
             payment_id = payment_method.payment_id
             amount = payment_method.amount
             user_payment_method = user.payment_methods[payment_id]
@@ -317,7 +328,7 @@ class AirlineTools(ToolKitBase):  # Tools
 
         # Update DB
         for flight_date_data in all_flights_date_data:
-            flight_date_data.available_seats[cabin] -= len(passengers)
+            flight_date_data.available_seats[cabin] -= len(passenger_models)
         self.db.reservations[reservation_id] = reservation
         self.db.users[user_id].reservations.append(reservation_id)
         return reservation
@@ -456,7 +467,7 @@ class AirlineTools(ToolKitBase):  # Tools
     @is_tool(ToolType.READ)
     def search_onestop_flight(
         self, origin: str, destination: str, date: str
-    ) -> list[tuple[DirectFlight, DirectFlight]]:
+    ) -> list[list[DirectFlight]]:
         """
         Search for one-stop flights between two cities on a specific date.
 
@@ -621,15 +632,14 @@ class AirlineTools(ToolKitBase):  # Tools
             ValueError: If the certificate cannot be used to update reservation.
             ValueError: If the gift card balance is not enough.
         """
-        if all(isinstance(flight, dict) for flight in flights):
-            flights = [FlightInfo(**flight) for flight in flights]
+        flight_infos = _as_models(FlightInfo, flights)
         reservation = self._get_reservation(reservation_id)
         user = self._get_user(reservation.user_id)
 
         # update flights and calculate price
         total_price = 0
         reservation_flights = []
-        for flight_info in flights:
+        for flight_info in flight_infos:
             # if existing flight, keep it
             matching_reservation_flight = next(
                 (
@@ -712,14 +722,13 @@ class AirlineTools(ToolKitBase):  # Tools
             ValueError: If the reservation is not found.
             ValueError: If the number of passengers does not match.
         """
-        if all(isinstance(passenger, dict) for passenger in passengers):
-            passengers = [Passenger(**passenger) for passenger in passengers]
+        passenger_models = _as_models(Passenger, passengers)
         reservation = self._get_reservation(reservation_id)
-        logger.info(len(passengers))
+        logger.info(len(passenger_models))
         logger.info(len(reservation.passengers))
-        if len(passengers) != len(reservation.passengers):
+        if len(passenger_models) != len(reservation.passengers):
             raise ValueError("Number of passengers does not match")
-        reservation.passengers = deepcopy(passengers)
+        reservation.passengers = deepcopy(passenger_models)
         return reservation
 
     @is_tool(ToolType.READ)

@@ -261,7 +261,7 @@ class RetailTools(Toolkit):
         if len(item_ids) != len(new_item_ids):
             raise ValueError("The number of items to be exchanged should match.")
 
-        diff_price = 0
+        diff_price: float = 0
         for item_id, new_item_id in zip(item_ids, new_item_ids):
             item = next((item for item in order.items if item.item_id == item_id), None)
             if item is None:
@@ -515,7 +515,7 @@ class RetailTools(Toolkit):
         if len(item_ids) != len(new_item_ids):
             raise ValueError("The number of items to be exchanged should match")
 
-        diff_price = 0
+        diff_price: float = 0
         for item_id, new_item_id in zip(item_ids, new_item_ids):
             if item_id == new_item_id:
                 raise ValueError(

@@ -201,7 +201,7 @@ class Customer(BaseModelNoExtra):
         default_factory=list, description="Bills associated with this customer"
     )
     created_at: datetime.datetime = Field(
-        DEFAULT_START_DATE,
+        DEFAULT_START_DATE,  # type: ignore[assignment]  # tau2's default is a date (kept: it reaches DB hashes)
         description="Date and time when the customer account was created (format: YYYY-MM-DDTHH:MM:SS, timezone: EST)",
     )
     last_extension_date: Optional[datetime.date] = Field(

@@ -277,7 +277,7 @@ class TelecomUserTools(ToolKitBase):
 
         return f"Speed Test Result: {speed_mbps:.2f} Mbps ({description}). {advice}"
 
-    def _run_speed_test(self) -> Tuple[Optional[float], Optional[str]]:
+    def _run_speed_test(self) -> Tuple[Optional[float], str]:
         """
         Simulates running a speed test for mobile data based on current network conditions.
         Returns a tuple: (speed_mbps, description).
@@ -795,7 +795,8 @@ class TelecomUserTools(ToolKitBase):
     def break_vpn(self) -> str:
         """Breaks the VPN connection. Results in a slow mobile data."""
         self.connect_vpn()
-        self.device.vpn_details.server_performance = PerformanceLevel.POOR
+        # tau2: connect_vpn() set the details unless already connected (with details, in its data)
+        self.device.vpn_details.server_performance = PerformanceLevel.POOR  # type: ignore[union-attr]
         return "VPN connection broken."
 
     # --- Applications ---
