@@ -24,11 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def handle(args: argparse.Namespace) -> int:
     table = Table(title="agent graphs")
     table.add_column("name")
-    table.add_column("factory")
+    table.add_column("graph")
     table.add_column("description")
     for name, ep in sorted(plugins.available("closedloop.graphs").items()):
-        factory = plugins.load("closedloop.graphs", name)
-        doc = (sys.modules[factory.__module__].__doc__ or factory.__doc__ or "").strip().splitlines()
+        plugins.load("closedloop.graphs", name)  # imports its module
+        doc = (sys.modules[ep.module].__doc__ or "").strip().splitlines()  # the graph module's docstring
         table.add_row(name, ep.value, doc[0] if doc else "")
     Console().print(table)
     return 0
