@@ -300,16 +300,10 @@ async def _after_handoff(state: EggState, runtime: Runtime[EggContext]) -> str:
 
 
 builder = StateGraph(EggState, context_schema=EggContext)
-builder.add_node("prepare", prepare)
-builder.add_node("seeds", seeds)
-builder.add_node("refine", refine)
-builder.add_node("handoff", handoff)
+builder.add_sequence([prepare, seeds, refine, handoff])  # stage A, nodes named after their functions
 builder.add_node("tune", tune)
 builder.add_node("finish", finish)
 builder.add_edge(START, "prepare")
-builder.add_edge("prepare", "seeds")
-builder.add_edge("seeds", "refine")
-builder.add_edge("refine", "handoff")
 builder.add_conditional_edges("handoff", _after_handoff, ["tune", "finish"])
 builder.add_conditional_edges("tune", _after_handoff, ["tune", "finish"])
 builder.add_edge("finish", END)

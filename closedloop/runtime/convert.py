@@ -282,11 +282,18 @@ def as_langchain(messages: Any) -> list[Any]:
     return out
 
 
+def _stored(left: Any) -> list[Any]:
+    """The channel's current list: already LangChain's (it holds nothing else, so its ends tell),
+    or a thread checkpointed in our form before the channel was LangChain's, converted now."""
+    if isinstance(left, list) and (not left or (isinstance(left[0], BaseMessage) and isinstance(left[-1], BaseMessage))):
+        return left
+    return as_langchain(left)
+
+
 def add_any_messages(left: Any, right: Any) -> list[Any]:
     """The ``messages`` channel's reducer: LangGraph's ``add_messages`` over LangChain messages,
-    taking any form on either side (a thread checkpointed in our form before the channel was
-    LangChain's is converted when it is next written)."""
-    return add_messages(as_langchain(left), as_langchain(right))  # type: ignore[arg-type,return-value]
+    taking any form on either side."""
+    return add_messages(_stored(left), as_langchain(right))  # type: ignore[arg-type,return-value]
 
 
 __all__ = ["TURN_KEY", "is_message", "role_of", "to_closedloop", "to_langchain", "ai_message", "to_openai", "turn_of",
