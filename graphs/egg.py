@@ -300,7 +300,8 @@ async def _after_handoff(state: EggState, runtime: Runtime[EggContext]) -> str:
 
 
 builder = StateGraph(EggState, context_schema=EggContext)
-builder.add_sequence([prepare, seeds, refine, handoff])  # stage A, nodes named after their functions
+# stage A, nodes named after their functions (add_sequence is typed for one node signature; these differ)
+builder.add_sequence([prepare, seeds, refine, handoff])  # type: ignore[arg-type]
 builder.add_node("tune", tune)
 builder.add_node("finish", finish)
 builder.add_edge(START, "prepare")
