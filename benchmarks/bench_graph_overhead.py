@@ -29,17 +29,28 @@ from langgraph.graph import END, START, StateGraph
 from rich.console import Console
 from rich.table import Table
 
-from closedloop.graphs.react import build_react_graph
+from closedloop.graphs.react import graph as react_graph
 from closedloop.messages import AssistantMessage, ToolCall, UserMessage
 from closedloop.models.scripted import ScriptedClient
 from closedloop.plugins import tool_registry
+from closedloop.runtime import AgentContext
 
 
 def closedloop_graph(turns: int):
     calls = [AssistantMessage(tool_calls=[ToolCall.make("add", {"a": i, "b": 1})]) for i in range(turns - 1)]
     client = ScriptedClient(calls + [AssistantMessage(content="done")], cycle=True)
-    graph = build_react_graph(client, tool_registry(["arithmetic"]), max_turns=turns + 1)
-    return graph, lambda: {"messages": [UserMessage(content="go")]}, client
+    context = AgentContext(client=client, tools=tool_registry(["arithmetic"]), max_turns=turns + 1)
+    return WithContext(react_graph, context), lambda: {"messages": [UserMessage(content="go")]}, client
+
+
+class WithContext:
+    """A graph invoked with one run context (how every closedloop graph runs)."""
+
+    def __init__(self, graph, context):
+        self.graph, self.context = graph, context
+
+    async def ainvoke(self, graph_input):
+        return await self.graph.ainvoke(graph_input, context=self.context)
 
 
 class RawState(TypedDict, total=False):
@@ -83,7 +94,7 @@ def toolnode_graph(turns: int, model: str = "raw"):
 
     from closedloop.langchain_chat import ClosedloopChatModel
     from closedloop.langchain_tools import to_langchain_tool
-    from closedloop.runtime import AgentState, make_model_node
+    from closedloop.runtime import AgentState, model_node
 
     tools = tool_registry(["arithmetic"])
     lc_tools = [to_langchain_tool(t) for t in tools]
@@ -105,16 +116,19 @@ def toolnode_graph(turns: int, model: str = "raw"):
             return {"messages": [await llm.ainvoke(state["messages"])]}
         schema: Any = MessagesState
     elif model == "ours":
-        node, schema = make_model_node(client, tools), AgentState
+        node, schema = model_node, AgentState
     else:
         node, schema = raw_model, MessagesState
-    g = StateGraph(schema)
+    g = StateGraph(schema, context_schema=AgentContext if model == "ours" else None)
     g.add_node("model", node)
     g.add_node("tools", ToolNode(lc_tools))
     g.add_edge(START, "model")
     g.add_conditional_edges("model", tools_condition)
     g.add_edge("tools", "model")
-    return g.compile(), lambda: {"messages": [HumanMessage(content="go")]}, None
+    compiled: Any = g.compile()
+    if model == "ours":
+        compiled = WithContext(compiled, AgentContext(client=client, tools=tools))
+    return compiled, lambda: {"messages": [HumanMessage(content="go")]}, None
 
 
 def recorded_graph(turns: int, store_dir: str):
@@ -125,14 +139,14 @@ def recorded_graph(turns: int, store_dir: str):
     from closedloop.runtime.recording import StoreRecorder
     from closedloop.store import RunStore
 
-    graph, make_input, client = closedloop_graph(turns)
+    bound, make_input, client = closedloop_graph(turns)
     store = RunStore(f"{store_dir}/runs.duckdb")
 
     recorder = StoreRecorder(store, store.start_run(kind="run", graph="react", model_spec=client.spec))
 
     class Recorded:
         async def ainvoke(self, graph_input):
-            return (await run_graph(graph, graph_input, recorder=recorder)).state
+            return (await run_graph(bound.graph, graph_input, context=bound.context, recorder=recorder)).state
 
     return Recorded(), make_input, store
 

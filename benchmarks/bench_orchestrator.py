@@ -38,7 +38,7 @@ def main() -> None:
 
     from closedloop.agents.orchestrator.experts import ExpertPool, OrchestratorConfig
     from closedloop.agents.orchestrator.interaction import Player, Session, ToneTTS
-    from closedloop.graphs.orchestrator import build_orchestrator_graph
+    from closedloop.graphs.orchestrator import OrchestratorContext, graph
     from closedloop.messages import AssistantMessage, ImagePart, TextPart, UserMessage
     from closedloop.models import SamplingParams, make_client
     from closedloop.models.scripted import ScriptedClient
@@ -70,14 +70,14 @@ def main() -> None:
     cfg = OrchestratorConfig.model_validate({"experts": {"vision": {"kind": "model", "model": f"hf:{vlm}",
                                                                     "modality": "image", "max_tokens": 16}}})
     pool = ExpertPool(cfg, clients={"vision": client})
-    graph = build_orchestrator_graph(ScriptedClient(reply), experts=pool)
+    context = OrchestratorContext(client=ScriptedClient(reply), experts=pool)
 
     async def run_orchestrated() -> list[float]:
         lat = []
         for data, q in questions:
             t0 = time.perf_counter()
             await graph.ainvoke({"messages": [UserMessage(content=[TextPart(text=q), ImagePart.from_bytes(data)])],
-                                 "scratch": {}})
+                                 "scratch": {}}, context=context)
             lat.append(time.perf_counter() - t0)
         return lat
 
@@ -97,7 +97,7 @@ def main() -> None:
         rng = random.Random(1)
         out = []
         long = ScriptedClient(lambda m: AssistantMessage(content="<speak>" + "a long spoken answer " * 10 + "</speak>"))
-        session = Session(build_orchestrator_graph(long, experts=pool), tts=ToneTTS(), player=Player(chunk_ms=20))
+        session = Session(graph, OrchestratorContext(client=long, experts=pool), tts=ToneTTS(), player=Player(chunk_ms=20))
         for _ in range(args.barge):
             await session.ask("talk")
             target = rng.randrange(1, 20)

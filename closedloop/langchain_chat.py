@@ -14,13 +14,11 @@ turns back.
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Iterator, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
-from langchain_core.messages import AIMessageChunk, BaseMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
@@ -29,21 +27,11 @@ from pydantic import ConfigDict, Field, PrivateAttr
 
 from closedloop.messages import Trajectory, Turn
 from closedloop.models.base import ModelClient, SamplingParams, TextDelta, ToolChoice, TurnDone
-from closedloop.runtime.convert import TURN_KEY, as_closedloop, to_langchain, turn_of
-from closedloop.runtime.nodes import TextGate
-
-_CLIENTS: dict[str, ModelClient] = {}
-_CLIENTS_LOCK = threading.Lock()
-
-
-def shared_client(spec: str) -> ModelClient:
-    """One client per spec per process (loading an ``hf:`` model once, reusing HTTP pools)."""
-    with _CLIENTS_LOCK:
-        if spec not in _CLIENTS:
-            from closedloop.models import make_client
-
-            _CLIENTS[spec] = make_client(spec)
-        return _CLIENTS[spec]
+from closedloop.run_sync import run_sync
+from closedloop.runtime.context import client_for
+from closedloop.runtime.convert import TURN_KEY, ai_message, as_closedloop, turn_of
+from closedloop.runtime.stream import TextGate
+from closedloop.tool import Tool
 
 
 class ClosedloopChatModel(BaseChatModel):
@@ -86,7 +74,7 @@ class ClosedloopChatModel(BaseChatModel):
         if self._resolved is None:
             if not self.model:
                 raise ValueError("ClosedloopChatModel needs model= (a closedloop model spec) or client=")
-            self._resolved = shared_client(self.model)
+            self._resolved = client_for(self.model)  # one client per spec per process
         return self._resolved
 
     def _params(self, stop: list[str] | None) -> SamplingParams:
@@ -97,10 +85,8 @@ class ClosedloopChatModel(BaseChatModel):
     # ------------------------------------------------------------------ tools
 
     def bind_tools(self, tools: Sequence[Any], *, tool_choice: str | dict | bool | None = None,
-                   **kwargs: Any) -> Runnable[LanguageModelInput, BaseMessage]:
+                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind LangChain tools, our ``@tool``s, functions, pydantic models or OpenAI tool dicts."""
-        from closedloop.tool import Tool
-
         formatted = [t.schema if isinstance(t, Tool) else convert_to_openai_tool(t) for t in tools]
         return self.bind(tools=formatted, tool_choice=_tool_choice(tool_choice), **kwargs)
 
@@ -110,7 +96,7 @@ class ClosedloopChatModel(BaseChatModel):
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         turn = await self.model_client().generate(as_closedloop(messages), kwargs.get("tools") or None,
                                                   self._params(stop), kwargs.get("tool_choice"))
-        return ChatResult(generations=[ChatGeneration(message=to_langchain(turn.message, turn))])
+        return ChatResult(generations=[ChatGeneration(message=ai_message(turn.message, turn))])
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
@@ -131,33 +117,34 @@ class ClosedloopChatModel(BaseChatModel):
                 turn = event.turn
         if turn is None:
             raise RuntimeError(f"{self.model_client().spec}: stream ended without a final turn")
-        final = to_langchain(turn.message, turn)
+        final = ai_message(turn.message, turn)
         rest = gate.finish(turn.message.text)
         if rest and run_manager:
             await run_manager.on_llm_new_token(rest, chunk=ChatGenerationChunk(message=AIMessageChunk(content=rest)))
+        calls = [(c["name"], c["id"]) for c in final.tool_calls] + [(c["name"], c["id"]) for c in final.invalid_tool_calls]
         yield ChatGenerationChunk(message=AIMessageChunk(
-            content=rest, tool_call_chunks=[{"name": c["name"], "args": _args_text(turn, c["id"]), "id": c["id"],
+            content=rest, tool_call_chunks=[{"name": name, "args": _args_text(turn, call_id), "id": call_id,
                                              "index": i, "type": "tool_call_chunk"}
-                                            for i, c in enumerate(final.tool_calls + final.invalid_tool_calls)],
+                                            for i, (name, call_id) in enumerate(calls)],
             additional_kwargs=final.additional_kwargs, response_metadata=final.response_metadata,
             usage_metadata=final.usage_metadata, chunk_position="last"))
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        return _run_sync(lambda: self._agenerate(messages, stop, None, **kwargs))
+        return run_sync(lambda: self._agenerate(messages, stop, None, **kwargs))
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         async def collect() -> list[ChatGenerationChunk]:
             return [c async for c in self._astream(messages, stop, None, **kwargs)]
 
-        for chunk in _run_sync(collect):
+        for chunk in run_sync(collect):
             if run_manager and chunk.text:
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
 
 
-def _args_text(turn: Turn, call_id: str) -> str:
+def _args_text(turn: Turn, call_id: str | None) -> str:
     for call in turn.message.tool_calls or []:
         if call.id == call_id:
             return call.function.arguments
@@ -173,28 +160,6 @@ def _tool_choice(choice: str | dict | bool | None) -> ToolChoice | None:
     if isinstance(choice, str) and choice not in {"auto", "none", "required"}:
         return {"type": "function", "function": {"name": choice}}
     return choice  # type: ignore[return-value]
-
-
-def _run_sync(make: Callable[[], Any]) -> Any:
-    """Run a coroutine from sync code, in a worker thread when this thread already runs a loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(make())
-    box: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            box["value"] = asyncio.run(make())
-        except BaseException as e:  # re-raised in the caller's thread
-            box["error"] = e
-
-    t = threading.Thread(target=work)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def turns_from_messages(messages: Sequence[Any]) -> list[Turn]:
@@ -214,5 +179,5 @@ def chat_model_tools(tools: Any) -> list[BaseTool]:
     return [to_langchain_tool(t) for t in tools]
 
 
-__all__ = ["ClosedloopChatModel", "shared_client", "turns_from_messages", "trajectory_from_messages",
+__all__ = ["ClosedloopChatModel", "turns_from_messages", "trajectory_from_messages",
            "chat_model_tools", "TURN_KEY"]

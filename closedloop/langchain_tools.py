@@ -20,6 +20,7 @@ from typing import Annotated, Any, Awaitable, Callable, Literal, Optional, Union
 from langchain_core.tools import BaseTool, StructuredTool
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from closedloop.run_sync import run_sync
 from closedloop.tool import Tool, ToolResult
 
 _JSON_TYPES: dict[str, Any] = {"string": str, "integer": int, "number": float, "boolean": bool, "null": type(None),
@@ -110,13 +111,15 @@ def from_langchain_tool(lc_tool: BaseTool, *, timeout_s: float | None = 60.0, mu
         value = await lc_tool.ainvoke(args)
         return getattr(value, "content", value)  # a ToolMessage (content_and_artifact tools) → its content
 
-    if isinstance(schema, dict):
-        parameters = schema.get("parameters", schema)
-        required = set(parameters.get("required", []))
-        return schema_tool(lc_tool.name, lc_tool.description, parameters, call, timeout_s=timeout_s, mutates=mutates)
-    required = {k for k, f in schema.model_fields.items() if f.is_required()}
-    return Tool(_signature_fn(schema, call, lc_tool.name), name=lc_tool.name,
-                description=lc_tool.description or lc_tool.name, timeout_s=timeout_s, mutates=mutates)
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        required = {k for k, f in schema.model_fields.items() if f.is_required()}
+        return Tool(_signature_fn(schema, call, lc_tool.name), name=lc_tool.name,
+                    description=lc_tool.description or lc_tool.name, timeout_s=timeout_s, mutates=mutates)
+    # a JSON schema, or a pydantic v1 model's: the schema becomes a model of ours
+    whole = schema if isinstance(schema, dict) else schema.schema()
+    parameters = whole.get("parameters", whole)
+    required = set(parameters.get("required", []))
+    return schema_tool(lc_tool.name, lc_tool.description, parameters, call, timeout_s=timeout_s, mutates=mutates)
 
 
 def to_langchain_tool(tool: Tool) -> BaseTool:
@@ -129,9 +132,7 @@ def to_langchain_tool(tool: Tool) -> BaseTool:
         return result.content
 
     def call(**kwargs: Any) -> str:
-        from closedloop.langchain_chat import _run_sync
-
-        return _run_sync(lambda: acall(**kwargs))
+        return run_sync(lambda: acall(**kwargs))
 
     return StructuredTool.from_function(func=call, coroutine=acall, name=tool.name, description=tool.description,
                                         args_schema=tool.args_model, infer_schema=False)

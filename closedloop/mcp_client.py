@@ -1,7 +1,7 @@
 """Any MCP server's tools as tools of our graphs (the client side; :mod:`closedloop.mcp_server` serves ours).
 
     async with mcp_tools(command=["python", "server.py"]) as tools:        # stdio
-        graph = build_react_graph(client, tools)
+        out = await graph.ainvoke(inputs, context=AgentContext(client=client, tools=tools))
     async with mcp_tools(url="http://127.0.0.1:8000/mcp") as tools:       # streamable HTTP
         ...
 

@@ -7,9 +7,13 @@ when the belief is uncertain; otherwise it proceeds exactly like ``react``.
     START → assess ──(uncertain, budget left)──→ ask → END   (the question goes to the user)
                    └──(confident)──→ model ⇄ tools → END
 
+Its settings extend the run context (:class:`ClarifierContext`: the scorer, a candidate generator,
+the threshold, the question budget); what it must remember between the steps of an environment
+(questions asked, the belief) lives in ``scratch``.
+
 Every model call lands in the state's ``turns`` (in call order), so a trainer sees all of them:
 
-- the candidate-goal proposal (:func:`propose_with_model`) is recorded with ``trainable=False,
+- the candidate-goal proposal (:func:`propose_goals`) is recorded with ``trainable=False,
   purpose="propose_goals"``. It is a helper call, not an action: its output only feeds the frozen
   scorer's belief, which decides whether to ask. Rewarding it with the episode's return would
   teach the policy to propose candidate sets that steer the gate (one candidate never asks) rather
@@ -25,20 +29,25 @@ from __future__ import annotations
 
 import contextlib
 import re
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Collection, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Sequence, Union
 
-from langchain_core.runnables import RunnableConfig
 from langgraph.graph import END, START, StateGraph
+from langgraph.runtime import Runtime
+from pydantic import Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from closedloop.agents.clarifier.belief import BeliefTracker, should_ask
 from closedloop.agents.clarifier.scorer import GoalScorer
-from closedloop.graphs.react import DEFAULT_SYSTEM_PROMPT
 from closedloop.messages import AssistantMessage, SystemMessage, Turn, UserMessage, _Message
 from closedloop.models.base import ModelClient, SamplingParams
-from closedloop.runtime import AgentState, make_model_node, wire_tool_loop
-from closedloop.runtime.nodes import run_params
-from closedloop.tool import ToolRegistry
+from closedloop.runtime.context import AgentContext, context_of
+from closedloop.runtime.convert import ai_message, as_closedloop, role_of
+from closedloop.runtime.nodes import add_tool_loop, model_node
+from closedloop.runtime.state import AgentState
+
+__all__ = ["graph", "builder", "ClarifierContext", "GoalProposal", "Candidates", "propose_goals", "lent_scorer"]
 
 
 @dataclass
@@ -61,8 +70,52 @@ ASK_PROMPT = ("The user's request is ambiguous between these goals:\n{goals}\n"
               "Ask the user one short question that tells them apart.")
 
 
+def _can_lend(client: Any) -> bool:
+    return hasattr(client, "model") and hasattr(client, "tokenizer")
+
+
+class ClarifierContext(AgentContext):
+    """The run context of the clarifier: the standard settings plus the gate's.
+
+    - ``scorer``: the frozen goal scorer; without one, an ``hf:`` policy lends its own weights
+      (:func:`lent_scorer`, a snapshot taken once per client).
+    - ``candidates``: the candidate-goal generator; default: the policy proposes them
+      (:func:`propose_goals`).
+    - ``threshold``: ask while the belief's normalised entropy exceeds it; ``budget``: at most this
+      many questions per thread; ``belief_temperature``: the belief's temperature τ.
+    """
+
+    scorer: SkipJsonSchema[GoalScorer | None] = None
+    candidates: SkipJsonSchema[Candidates | None] = None
+    threshold: float = Field(0.5, description="ask while the normalised entropy exceeds this")
+    budget: int = Field(1, ge=0, description="clarifying questions per thread")
+    belief_temperature: float = Field(1.0, gt=0.0, description="the belief's temperature")
+
+    @model_validator(mode="after")
+    def _a_scorer_can_be_had(self) -> "ClarifierContext":
+        if self.scorer is None and self.client is not None and not _can_lend(self.client):
+            raise ValueError("the clarifier needs a scorer: pass scorer=GoalScorer.from_pretrained(path) "
+                             "(only hf: clients can lend their own model)")
+        return self
+
+
+_LENT: "weakref.WeakKeyDictionary[Any, GoalScorer]" = weakref.WeakKeyDictionary()
+
+
+def lent_scorer(client: ModelClient) -> GoalScorer:
+    """A frozen snapshot of an ``hf:`` client's own model as the scorer, taken on first use and
+    kept for that client: the reward stays fixed while the policy trains."""
+    if not _can_lend(client):
+        raise ValueError("the clarifier needs a scorer: pass scorer=GoalScorer.from_pretrained(path) "
+                         "(only hf: clients can lend their own model)")
+    if client not in _LENT:
+        with getattr(client, "paused", contextlib.nullcontext)():
+            _LENT[client] = GoalScorer(client.model, client.tokenizer)  # type: ignore[attr-defined]
+    return _LENT[client]
+
+
 def _lines(text: str, k: int) -> list[str]:
-    out = []
+    out: list[str] = []
     for line in text.splitlines():
         line = re.sub(r"^\s*(?:[-*•]|\d+[.)])\s*", "", line).strip()
         if line and line not in out:
@@ -70,110 +123,83 @@ def _lines(text: str, k: int) -> list[str]:
     return out[:k]
 
 
-def propose_with_model(client: ModelClient, k: int = 4,
-                       params: SamplingParams | None = None) -> Callable[[Sequence[_Message]], Awaitable[GoalProposal]]:
-    """A candidate generator that asks the policy model itself. Its turn is marked
-    ``trainable=False, purpose="propose_goals"`` (see the module docstring for why)."""
-
-    async def propose(messages: Sequence[_Message]) -> GoalProposal:
-        ask = list(messages) + [UserMessage(content=PROPOSE_PROMPT.format(k=k))]
-        turn = await client.generate(ask, None, params or SamplingParams(temperature=0.0, max_tokens=96))
-        turn = turn.model_copy(update={"trainable": False, "purpose": PROPOSE_PURPOSE})
-        return GoalProposal(_lines(turn.message.text, k), [turn])
-
-    return propose
+async def propose_goals(client: ModelClient, messages: Sequence[_Message], k: int = 4,
+                        params: SamplingParams | None = None) -> GoalProposal:
+    """Candidate goals from the policy model itself. Its turn is marked ``trainable=False,
+    purpose="propose_goals"`` (see the module docstring for why)."""
+    ask = list(messages) + [UserMessage(content=PROPOSE_PROMPT.format(k=k))]
+    turn = await client.generate(ask, None, params or SamplingParams(temperature=0.0, max_tokens=96))
+    turn = turn.model_copy(update={"trainable": False, "purpose": PROPOSE_PURPOSE})
+    return GoalProposal(_lines(turn.message.text, k), [turn])
 
 
-async def _proposal(propose: Candidates, context: Sequence[_Message]) -> GoalProposal:
-    result = propose(context)
+async def _proposal(ctx: ClarifierContext, conversation: Sequence[_Message]) -> GoalProposal:
+    if ctx.candidates is None:
+        return await propose_goals(ctx.model_client(), conversation)
+    result = ctx.candidates(conversation)
     if hasattr(result, "__await__"):
-        result = await result
+        result = await result  # type: ignore[misc]
     if isinstance(result, GoalProposal):
         return result
-    return GoalProposal(list(result))
+    return GoalProposal(list(result))  # type: ignore[arg-type]
 
 
-def build_clarifier_graph(client: ModelClient, tools: ToolRegistry | None = None, *,
-                          scorer: GoalScorer | None = None, candidates: Candidates | None = None,
-                          threshold: float = 0.5, budget: int = 1, belief_temperature: float = 1.0,
-                          system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, params: SamplingParams | None = None,
-                          max_turns: int = 8, approve: bool | Collection[str] = False,
-                          stream_tokens: bool = False, execute_tools: bool = True, checkpointer: Any = None):
-    """Compile the clarifier. Without ``scorer``, an ``hf:`` client's own model is snapshotted.
-
-    ``execute_tools=False``: a one-step policy for environments that run the tools (τ-bench).
-    """
-    tools = tools or ToolRegistry()
-    if scorer is None:
-        if not (hasattr(client, "model") and hasattr(client, "tokenizer")):
-            raise ValueError("the clarifier needs a scorer: pass scorer=GoalScorer.from_pretrained(path) "
-                             "(only hf: clients can lend their own model)")
-        with client.paused() if hasattr(client, "paused") else contextlib.nullcontext():
-            scorer = GoalScorer(client.model, client.tokenizer)  # a consistent snapshot, never mid-update
-    tracker = BeliefTracker(scorer, temperature=belief_temperature)
-    propose = candidates or propose_with_model(client, params=None)
-
-    async def assess(state: AgentState) -> dict[str, Any]:
-        scratch = dict(state.get("scratch") or {})
-        messages = state.get("messages", [])
-        asked = int(scratch.get("asked", 0))
-        if not messages or not isinstance(messages[-1], UserMessage) or asked >= budget:
-            scratch["decision"] = "proceed"
-            return {"scratch": scratch}
-        context = ([SystemMessage(content=system_prompt)] if system_prompt else []) + list(messages)
-        proposal = await _proposal(propose, context)
-        goals = proposal.goals
-        recorded = {"turns": list(proposal.turns)} if proposal.turns else {}
-        if len(goals) < 2:
-            scratch.update(decision="proceed", belief={g: 1.0 for g in goals})
-            return {"scratch": scratch, **recorded}
-        belief = tracker.belief(context, goals)
-        ask = should_ask(belief, threshold=threshold, asked=asked, budget=budget)
-        scratch.update(decision="ask" if ask else "proceed", belief=belief.as_dict(),
-                       entropy=belief.normalized_entropy)
+async def assess(state: AgentState, runtime: Runtime[ClarifierContext]) -> dict[str, Any]:
+    """Form a belief over candidate goals for a new user message; decide to ask or proceed."""
+    ctx = context_of(runtime, ClarifierContext)
+    scratch = dict(state.get("scratch") or {})
+    messages = state.get("messages", [])
+    asked = int(scratch.get("asked", 0))
+    if not messages or role_of(messages[-1]) != "user" or asked >= ctx.budget:
+        scratch["decision"] = "proceed"
+        return {"scratch": scratch}
+    conversation = ([SystemMessage(content=ctx.system_prompt)] if ctx.system_prompt else []) + as_closedloop(messages)
+    proposal = await _proposal(ctx, conversation)
+    goals = proposal.goals
+    recorded = {"turns": list(proposal.turns)} if proposal.turns else {}
+    if len(goals) < 2:
+        scratch.update(decision="proceed", belief={g: 1.0 for g in goals})
         return {"scratch": scratch, **recorded}
-
-    async def ask(state: AgentState, config: Optional[RunnableConfig] = None) -> dict[str, Any]:
-        scratch = dict(state["scratch"])
-        goals = "\n".join(f"- {g}" for g in scratch["belief"])
-        messages = list(state.get("messages", [])) + [UserMessage(content=ASK_PROMPT.format(goals=goals))]
-        turn = await client.generate(messages, None, run_params(params, config))  # the run's seed, if any
-        scratch["asked"] = int(scratch.get("asked", 0)) + 1
-        if not turn.message.tool_calls and turn.message.text.strip().endswith("?"):
-            message = AssistantMessage(content=turn.message.text.strip())
-            return {"messages": [message], "turns": [turn.model_copy(update={"message": message})], "scratch": scratch}
-        # The model did not produce a question: the user gets a templated one. The model's reply is
-        # kept as it was generated, marked not for training (it was not the action taken); the
-        # template's words were generated by no model, so they have no turn.
-        options = " or ".join(list(scratch["belief"])[:3])
-        message = AssistantMessage(content=f"Could you tell me which you mean: {options}?")
-        discarded = turn.model_copy(update={"trainable": False, "purpose": "ask_discarded"})
-        return {"messages": [message], "turns": [discarded], "scratch": scratch}
-
-    graph = StateGraph(AgentState)
-    graph.add_node("assess", assess)
-    graph.add_node("ask", ask)
-    graph.add_node("model", make_model_node(client, tools, system_prompt=system_prompt, params=params,
-                                            stream_tokens=stream_tokens))
-    graph.add_edge(START, "assess")
-    graph.add_conditional_edges("assess", lambda s: "ask" if s["scratch"]["decision"] == "ask" else "model",
-                                {"ask": "ask", "model": "model"})
-    graph.add_edge("ask", END)
-    wire_tool_loop(graph, tools, approve=approve, max_turns=max_turns, execute_tools=execute_tools)
-    return graph.compile(checkpointer=checkpointer, name="clarifier")
+    scorer = ctx.scorer or lent_scorer(ctx.model_client())
+    belief = BeliefTracker(scorer, temperature=ctx.belief_temperature).belief(conversation, goals)
+    ask_now = should_ask(belief, threshold=ctx.threshold, asked=asked, budget=ctx.budget)
+    scratch.update(decision="ask" if ask_now else "proceed", belief=belief.as_dict(),
+                   entropy=belief.normalized_entropy)
+    return {"scratch": scratch, **recorded}
 
 
-def make_graph(config: Any = None):
-    """The ``langgraph.json`` entry (see :func:`closedloop.graphs.react.make_graph`). Without a
-    scorer the clarifier lends the policy's own weights, so the model must be ``hf:``; before a model
-    is chosen (the server's schema pass) the graph is the react graph's shape over no model."""
-    from closedloop.runtime.factory import MissingModel, served_graph
+async def ask(state: AgentState, runtime: Runtime[ClarifierContext]) -> dict[str, Any]:
+    """Ask the user one question that tells the likely goals apart (the policy's action)."""
+    ctx = context_of(runtime, ClarifierContext)
+    scratch = dict(state["scratch"])
+    goals = "\n".join(f"- {g}" for g in scratch["belief"])
+    messages = as_closedloop(state.get("messages", [])) + [UserMessage(content=ASK_PROMPT.format(goals=goals))]
+    turn = await ctx.model_client().generate(messages, None, ctx.params)
+    scratch["asked"] = int(scratch.get("asked", 0)) + 1
+    if not turn.message.tool_calls and turn.message.text.strip().endswith("?"):
+        message = AssistantMessage(content=turn.message.text.strip())
+        kept = turn.model_copy(update={"message": message})
+        return {"messages": [ai_message(message, kept)], "turns": [kept], "scratch": scratch}
+    # The model did not produce a question: the user gets a templated one. The model's reply is
+    # kept as it was generated, marked not for training (it was not the action taken); the
+    # template's words were generated by no model, so they have no turn.
+    options = " or ".join(list(scratch["belief"])[:3])
+    message = AssistantMessage(content=f"Could you tell me which you mean: {options}?")
+    discarded = turn.model_copy(update={"trainable": False, "purpose": "ask_discarded"})
+    return {"messages": [ai_message(message)], "turns": [discarded], "scratch": scratch}
 
-    def factory(client, tools=None, **kwargs):
-        if isinstance(client, MissingModel):
-            from closedloop.graphs.react import build_react_graph
 
-            return build_react_graph(client, tools, **kwargs)
-        return build_clarifier_graph(client, tools, **kwargs)
+async def _after_assess(state: AgentState) -> str:
+    return "ask" if state["scratch"]["decision"] == "ask" else "model"
 
-    return served_graph(factory, config)
+
+builder = StateGraph(AgentState, context_schema=ClarifierContext)
+builder.add_node("assess", assess)
+builder.add_node("ask", ask)
+builder.add_node("model", model_node)
+builder.add_edge(START, "assess")
+builder.add_conditional_edges("assess", _after_assess, {"ask": "ask", "model": "model"})
+builder.add_edge("ask", END)
+add_tool_loop(builder)
+
+graph = builder.compile(name="clarifier")

@@ -11,7 +11,8 @@
 * ``answer`` (stage 2, A⁽²⁾): the model reasons over the tool results and answers; no tools are
   offered, so the loop has the paper's two stages and ends.
 
-``execute_tools=False`` makes it a one-step policy for an environment that runs the tools itself
+Its settings extend the run context (:class:`FactGuardContext`: the paper's stage-1 prompt by
+default, and whether a grid is shown to the model). ``execute_tools=False`` makes it a one-step policy for an environment that runs the tools itself
 (:class:`~closedloop.evals.factguard.env.FactGuardEnv`, the GRPO trainer): each call runs the stage
 the conversation is in (stage 2 once tool results are present) and ends.
 """
@@ -19,18 +20,30 @@ the conversation is in (stage 2 once tool results are present) and ends.
 from __future__ import annotations
 
 import json
-from typing import Any, Collection
+from typing import Any
 
 from langgraph.graph import END, START, StateGraph
+from langgraph.runtime import Runtime
+from pydantic import Field
 
 from closedloop.agents.factguard import STAGE1_SYSTEM_PROMPT, STAGE2_INSTRUCTION
-from closedloop.messages import AssistantMessage, ImagePart, TextPart, ToolMessage, UserMessage, _Message
-from closedloop.models.base import ModelClient, SamplingParams
-from closedloop.runtime import AgentState, make_model_node, make_tool_node
-from closedloop.runtime.convert import as_closedloop, in_form, thread_form
-from closedloop.tool import ToolRegistry
+from closedloop.messages import ImagePart, TextPart, ToolMessage, UserMessage, _Message
+from closedloop.runtime.context import AgentContext, context_of
+from closedloop.runtime.convert import as_closedloop, to_langchain
+from closedloop.runtime.nodes import asked_for_tools, call_model, run_tool_calls
+from closedloop.runtime.state import AgentState
 
-__all__ = ["build_factguard_graph", "frames_message", "stage2_messages", "in_stage2"]
+__all__ = ["graph", "builder", "FactGuardContext", "frames_message", "stage2_messages", "in_stage2"]
+
+
+class FactGuardContext(AgentContext):
+    """The run context of the FactGuard graph: the stage-1 prompt by default, at most two model
+    calls per invocation (the design's two stages), and ``attach_frames``: show a ClipScout grid to
+    the model as an image (for a model that reads images)."""
+
+    system_prompt: str | None = Field(STAGE1_SYSTEM_PROMPT, description="null for none")
+    max_turns: int = Field(2, ge=1, description="fixed by the design: two stages")
+    attach_frames: bool = Field(True, description="show a ClipScout grid to the model as an image")
 
 
 def frames_message(tool_messages: list[ToolMessage]) -> UserMessage | None:
@@ -64,47 +77,56 @@ def in_stage2(messages: list[_Message]) -> bool:
     return any(isinstance(m, ToolMessage) for m in messages)
 
 
-def build_factguard_graph(client: ModelClient, tools: ToolRegistry | None = None, *,
-                          system_prompt: str | None = STAGE1_SYSTEM_PROMPT, params: SamplingParams | None = None,
-                          max_turns: int = 2, approve: bool | Collection[str] = False, stream_tokens: bool = False,
-                          execute_tools: bool = True, checkpointer: Any = None, attach_frames: bool = True):
-    """Compile the FactGuard graph over ``tools`` (a sample's ``factprobe`` and ``clipscout``).
+async def _stage(state: AgentState, runtime: Runtime[FactGuardContext],
+                 with_tools: bool) -> dict[str, Any]:
+    ctx = context_of(runtime, FactGuardContext)
+    turn, message = await call_model(ctx.model_client(), state.get("messages", []),
+                                     tools=ctx.offered_tools() if with_tools else None, params=ctx.params,
+                                     system_prompt=ctx.system_prompt, stream_tokens=ctx.stream_tokens,
+                                     writer=runtime.stream_writer)
+    return {"messages": [message], "turns": [turn]}
 
-    ``max_turns`` is fixed by the design (two stages, at most two model calls per invocation) and
-    accepted for the factory contract; ``approve`` pauses before the named tool calls.
-    """
-    tools = tools or ToolRegistry()
-    reason = make_model_node(client, tools, system_prompt=system_prompt, params=params, stream_tokens=stream_tokens)
-    answer = make_model_node(client, None, system_prompt=system_prompt, params=params, stream_tokens=stream_tokens)
-    graph = StateGraph(AgentState)
-    graph.add_node("reason", reason)
-    graph.add_node("answer", answer)
 
-    if not execute_tools:
-        def route_start(state: AgentState) -> str:
-            return "answer" if in_stage2(as_closedloop(state.get("messages", []))) else "reason"
+async def reason(state: AgentState, runtime: Runtime[FactGuardContext]) -> dict[str, Any]:
+    """Stage 1: answer, or call the tools when the evidence is ambiguous."""
+    return await _stage(state, runtime, with_tools=True)
 
-        graph.add_conditional_edges(START, route_start, ["reason", "answer"])
-        graph.add_edge("reason", END)
-        graph.add_edge("answer", END)
-        return graph.compile(checkpointer=checkpointer, name="factguard")
 
-    run_tools = make_tool_node(tools, approve=approve)
+async def answer(state: AgentState, runtime: Runtime[FactGuardContext]) -> dict[str, Any]:
+    """Stage 2: answer from the tool results (no tools offered)."""
+    return await _stage(state, runtime, with_tools=False)
 
-    async def tools_node(state: AgentState) -> dict[str, Any]:
-        update = await run_tools(state)
-        results = [m for m in as_closedloop(update.get("messages", [])) if isinstance(m, ToolMessage)]
-        extra = stage2_messages(results, attach_frames=attach_frames)
-        update["messages"] = list(update.get("messages", [])) + in_form(extra, thread_form(state.get("messages", [])))
-        return update
 
-    def after_reason(state: AgentState) -> str:
-        last = as_closedloop(state.get("messages", [])[-1:])
-        return "tools" if last and isinstance(last[0], AssistantMessage) and last[0].tool_calls else END
+async def run_tools(state: AgentState, runtime: Runtime[FactGuardContext]) -> dict[str, Any]:
+    """The tool calls, then the grid (as an image, when shown) and the stage-2 instruction."""
+    ctx = context_of(runtime, FactGuardContext)
+    update = await run_tool_calls(state, ctx.tools, ctx.needs_approval)
+    results = [m for m in as_closedloop(update.get("messages", [])) if isinstance(m, ToolMessage)]
+    extra = stage2_messages(results, attach_frames=ctx.attach_frames)
+    update["messages"] = list(update.get("messages", [])) + [to_langchain(m) for m in extra]
+    return update
 
-    graph.add_node("tools", tools_node)
-    graph.add_edge(START, "reason")
-    graph.add_conditional_edges("reason", after_reason, ["tools", END])
-    graph.add_edge("tools", "answer")
-    graph.add_edge("answer", END)
-    return graph.compile(checkpointer=checkpointer, name="factguard")
+
+async def _start(state: AgentState, runtime: Runtime[FactGuardContext]) -> str:
+    """Each run starts at stage 1, or, for a one-step policy, at the stage the conversation is in."""
+    if context_of(runtime, FactGuardContext).execute_tools:
+        return "reason"
+    return "answer" if in_stage2(as_closedloop(state.get("messages", []))) else "reason"
+
+
+async def _after_reason(state: AgentState, runtime: Runtime[FactGuardContext]) -> str:
+    if not context_of(runtime, FactGuardContext).execute_tools:
+        return END
+    return "tools" if asked_for_tools(state.get("messages", [])) else END
+
+
+builder = StateGraph(AgentState, context_schema=FactGuardContext)
+builder.add_node("reason", reason)
+builder.add_node("tools", run_tools)
+builder.add_node("answer", answer)
+builder.add_conditional_edges(START, _start, ["reason", "answer"])
+builder.add_conditional_edges("reason", _after_reason, ["tools", END])
+builder.add_edge("tools", "answer")
+builder.add_edge("answer", END)
+
+graph = builder.compile(name="factguard")

@@ -1,22 +1,19 @@
 """Rollouts that run the agent graph itself as the policy.
 
-A registered graph (``react``, ``clarifier``, any plugin graph) is compiled as a one-step policy
+A registered graph (``react``, ``clarifier``, any plugin graph) acts as a one-step policy
 (``execute_tools=False``) around the trainer's live model (``HFClient.from_model``): each
-environment step sends the graph the messages it has not seen yet, the graph's model node samples
-one turn (token-exact: the ids the trainer optimises are the ids that were sampled, never
-re-tokenised text), and the environment executes the tool calls or lets its user answer. Each
-episode has its own graph thread (in-memory checkpointer, written once as each step's run exits;
-none for one-step episodes, whose thread never resumes), so graph state outside the messages
-(the clarifier's belief and question budget) lives across the episode as it does in evaluation.
+environment step runs the graph on the environment's observation (the conversation so far), the
+graph's model node samples one turn (token-exact: the ids the trainer optimises are the ids that
+were sampled, never re-tokenised text), and the environment executes the tool calls or lets its
+user answer. What the graph must remember between the steps of an episode (the clarifier's belief
+and question budget) is its ``scratch``, handed back on the next step, as in evaluation
+(:mod:`closedloop.evals.tau.agents`).
 
 G episodes start from the identical initial state (``env.areset(seed)`` with the same seed) and
 all episodes of a rollout batch run concurrently, so the client's micro-batcher decodes them
-together on the device. The episodes of one :func:`collect_groups` call share one compiled graph
-per tool list and sampling settings (compiling a LangGraph graph costs milliseconds per episode,
-more than a small model's whole reply); each runs in its own thread of that graph, and its sample
-seed travels in the run config (``configurable["sampling_seed"]``, read by the graph's model calls,
-see :func:`closedloop.runtime.nodes.run_params`), so every episode still samples with its own seed,
-exactly as with a graph of its own.
+together on the device. Every episode runs the one compiled graph with a run context of its own:
+the policy's settings, the environment's tool schemas, and its sample seed (``params.seed``), so
+every episode samples with its own seed.
 
 Rewards: ``info["rewards"]`` of every step (named components, see :mod:`closedloop.env`) are
 summed per episode into ``Trajectory.rewards``; components the trainer treats as per-turn (such
@@ -31,79 +28,47 @@ trainer gives such a turn no per-turn reward (None), not a reward of 0.
 from __future__ import annotations
 
 import asyncio
-import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from closedloop import plugins
 from closedloop.env import AgentEnvironment
-from closedloop.messages import AssistantMessage, Trajectory, Turn, _Message
+from closedloop.messages import Trajectory, Turn, _Message
 from closedloop.models.base import ModelClient, SamplingParams
-from closedloop.runtime import make_checkpointer
-from closedloop.runtime.nodes import SAMPLING_SEED
-from closedloop.tool import ToolRegistry
+from closedloop.runtime import AgentContext, check_graph, context_for, load_graph
+from closedloop.runtime.convert import action_of
 
 EnvFactory = Callable[[], AgentEnvironment]
-
-class SchemaTools(ToolRegistry):
-    """The environment's tool schemas, for a graph that only proposes calls (the environment
-    executes them): the model node needs the schemas, never the functions."""
-
-    def __init__(self, schemas: list[dict[str, Any]]) -> None:
-        super().__init__()
-        self._schemas = list(schemas)
-
-    @property
-    def schemas(self) -> list[dict[str, Any]]:
-        return list(self._schemas)
-
-    def __len__(self) -> int:
-        return len(self._schemas)
-
-
-#: Compiled policy graphs a :class:`GraphPolicy` keeps across rollout batches.
-_KEPT_GRAPHS = 8
 
 
 @dataclass
 class GraphPolicy:
-    """A graph factory plus the model it runs on; ``graph`` names a ``closedloop.graphs`` entry point."""
+    """A graph and the model it runs on; ``graph`` names a ``closedloop.graphs`` entry point (or is
+    a compiled graph); ``options`` are fields of its run context (e.g. the clarifier's ``threshold``)."""
 
     client: ModelClient
-    graph: str | Callable[..., Any] = "react"
+    graph: str | Any = "react"
     params: SamplingParams = field(default_factory=SamplingParams)
     options: dict[str, Any] = field(default_factory=dict)
-    _factory: Callable[..., Any] | None = field(default=None, init=False, repr=False, compare=False)
-    #: Compiled graphs kept across rollout batches, by tool list (a few: environments rarely vary them).
-    _compiled: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _loaded: Any = field(default=None, init=False, repr=False, compare=False)
+    _context: AgentContext | None = field(default=None, init=False, repr=False, compare=False)
 
-    def factory(self) -> Callable[..., Any]:
-        # Resolved once: an entry-point lookup scans every installed distribution's metadata
-        # (~10 ms), which per episode cost more than the tiny model's whole rollout.
-        if self._factory is None:
-            self._factory = plugins.load("closedloop.graphs", self.graph) if isinstance(self.graph, str) else self.graph
-        return self._factory
+    def compiled(self) -> Any:
+        """The compiled graph, looked up once (an entry-point lookup scans every installed
+        distribution's metadata, ~10 ms, more than the tiny model's whole rollout)."""
+        if self._loaded is None:
+            self._loaded = load_graph(self.graph) if isinstance(self.graph, str) else check_graph(self.graph)
+        return self._loaded
 
-    def build(self, tools: list[dict[str, Any]], params: SamplingParams | None = None, *, persistent: bool = True):
-        """Compile the graph as a one-step policy. ``persistent``: with an in-memory checkpointer,
-        so a thread's state carries over between the steps of an episode; an episode of one step
-        never resumes its thread and skips the checkpoint writes (``persistent=False``)."""
-        return self.factory()(self.client, SchemaTools(tools), system_prompt=None, params=params or self.params,
-                              execute_tools=False, checkpointer=make_checkpointer("memory") if persistent else None,
-                              **self.options)
-
-    def shared(self, tools: list[dict[str, Any]], *, persistent: bool = True):
-        """The graph episodes share for these tools (each episode passes its sample seed in its run
-        config). Compiled once and kept for later batches (compiling costs about as much as a tiny
-        model's decode step); an episode deletes its checkpointer thread when it ends, so a kept
-        graph holds no episode's state."""
-        key = json.dumps([tools, persistent], sort_keys=True, default=str)
-        if key not in self._compiled:
-            if len(self._compiled) >= _KEPT_GRAPHS:
-                self._compiled.pop(next(iter(self._compiled)))
-            self._compiled[key] = self.build(tools, persistent=persistent)
-        return self._compiled[key]
+    def context(self, tools: list[dict[str, Any]], sample_seed: int | None = None) -> AgentContext:
+        """One episode's run context: the policy's (made once; the environment's tools are schemas
+        only, since it executes the calls) with ``sample_seed`` as the seed when given."""
+        if self._context is None:
+            self._context = context_for(self.compiled(), client=self.client, params=self.params, system_prompt=None,
+                                        execute_tools=False, **self.options)
+        update: dict[str, Any] = {"tool_schemas": list(tools)}
+        if sample_seed is not None:
+            update["params"] = self.params.model_copy(update={"seed": sample_seed})
+        return self._context.model_copy(update=update)
 
 
 @dataclass
@@ -126,41 +91,31 @@ def _add(into: dict[str, float], comps: dict[str, float]) -> None:
 
 
 async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, max_steps: int = 16,
-                      sample_seed: int | None = None, metadata: dict[str, Any] | None = None,
-                      share_graph: bool = False) -> Episode:
+                      sample_seed: int | None = None, metadata: dict[str, Any] | None = None) -> Episode:
     """One episode: the graph acts, the environment answers, until it ends or ``max_steps``.
 
-    ``share_graph``: run the policy's kept graph for these tools (see :meth:`GraphPolicy.shared`);
-    without it the episode compiles a graph of its own. ``sample_seed`` (else ``policy.params.seed``)
-    seeds every model call of the episode, through the run config.
+    ``sample_seed`` (else ``policy.params.seed``) seeds every model call of the episode.
     """
     env = make_env()
     obs, info = await env.areset(seed=seed)
-    tools = info.get("tools") or []
-    persistent = max_steps > 1  # a one-step episode never resumes its graph thread
-    graph = policy.shared(tools, persistent=persistent) if share_graph else policy.build(tools, persistent=persistent)
-    # checkpoint once, as each step's run exits (LangGraph warns when there is no checkpointer to tell)
-    durability: dict[str, Any] = {"durability": "exit"} if getattr(graph, "checkpointer", None) else {}
-    config: dict[str, Any] = {"configurable": {"thread_id": uuid.uuid4().hex}}
-    if sample_seed is not None:
-        config["configurable"][SAMPLING_SEED] = sample_seed
+    graph = policy.compiled()
+    context = policy.context(info.get("tools") or [], sample_seed)
+    scratch: dict[str, Any] = {}
     turns: list[Turn] = []
     turn_rewards: list[dict[str, float]] = []
     inapplicable: list[set[str] | None] = []  # per turn: components that applied to none of its steps
     totals: dict[str, float] = {}
-    seen, steps, terminated, truncated, last_info, error = 0, 0, False, False, dict(info), None
+    steps, terminated, truncated, last_info, error = 0, False, False, dict(info), None
     messages: list[_Message] = list(obs)
     while steps < max_steps:
         try:
-            out = await graph.ainvoke({"messages": messages[seen:]}, config, **durability)
+            out = await graph.ainvoke({"messages": messages, "scratch": scratch}, context=context)
         except Exception as e:  # a policy failure ends the episode; it is reported, not hidden
             error = f"{type(e).__name__}: {e}"
             break
-        new_turns = list(out.get("turns") or [])[len(turns):]
-        last = out["messages"][-1]
-        action: AssistantMessage | Turn
-        action = new_turns[-1] if new_turns and new_turns[-1].message == last else (
-            last if isinstance(last, AssistantMessage) else AssistantMessage(content=str(last)))
+        scratch = out.get("scratch") or {}
+        new_turns = list(out.get("turns") or [])
+        action = action_of(out["messages"][-1])
         turns += new_turns
         turn_rewards += [{} for _ in new_turns]
         inapplicable += [None for _ in new_turns]
@@ -172,19 +127,14 @@ async def run_episode(make_env: EnvFactory, policy: GraphPolicy, seed: int, *, m
         if owner is not None:
             _add(turn_rewards[owner], comps)
             skip = set(step_info.get("inapplicable_rewards") or ())
-            inapplicable[owner] = skip if inapplicable[owner] is None else inapplicable[owner] & skip
-        # The environment appends the agent's reply to its history; the graph's thread already
-        # holds that reply, so only what comes after it is new to the graph (as in evaluation).
-        seen = len(messages) + 1
+            before = inapplicable[owner]
+            inapplicable[owner] = skip if before is None else before & skip
         messages = list(obs)
         last_info = step_info
         if terminated or truncated:
             break
     else:
         truncated = True
-    saver = getattr(graph, "checkpointer", None)
-    if share_graph and persistent and hasattr(saver, "adelete_thread"):
-        await saver.adelete_thread(config["configurable"]["thread_id"])  # the shared graph keeps no episode
     traj = Trajectory(messages=messages, turns=turns, rewards=totals,
                       step_rewards=[sum(r.values()) if r else None for r in turn_rewards],
                       metadata={"seed": seed, "sample_seed": sample_seed, "steps": steps, "terminated": terminated,
@@ -225,12 +175,10 @@ async def collect_groups(make_env: EnvFactory, policy: GraphPolicy, seeds: Itera
         ss = None if sample_seed is None else sample_seed + 1000 * seed + j
         meta = {"group": seed, "sample": j, **(metadata or {})}
         if sem is None:
-            ep = await run_episode(make_env, policy, seed, max_steps=max_steps, sample_seed=ss, metadata=meta,
-                                   share_graph=True)
+            ep = await run_episode(make_env, policy, seed, max_steps=max_steps, sample_seed=ss, metadata=meta)
         else:
             async with sem:
-                ep = await run_episode(make_env, policy, seed, max_steps=max_steps, sample_seed=ss, metadata=meta,
-                                       share_graph=True)
+                ep = await run_episode(make_env, policy, seed, max_steps=max_steps, sample_seed=ss, metadata=meta)
         if on_episode is not None:
             on_episode(ep)
         return ep
@@ -239,4 +187,4 @@ async def collect_groups(make_env: EnvFactory, policy: GraphPolicy, seeds: Itera
     return [Group(s, list(episodes[i * group_size:(i + 1) * group_size])) for i, s in enumerate(seeds)]
 
 
-__all__ = ["Episode", "EnvFactory", "GraphPolicy", "Group", "SchemaTools", "collect_groups", "run_episode"]
+__all__ = ["Episode", "EnvFactory", "GraphPolicy", "Group", "collect_groups", "run_episode"]

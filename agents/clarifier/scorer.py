@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from closedloop.messages import _Message
+from closedloop.messages import ToolMessage, _Message
 
 GOAL_REQUEST = "Summarise what the user wants, as one line."
 GOAL_PREFIX = "The user's goal: "
@@ -45,7 +45,8 @@ class GoalScorer:
         return cls(model, AutoTokenizer.from_pretrained(str(path)), **kwargs)
 
     def _context_text(self, messages: Sequence[_Message]) -> str:
-        chat = [m.to_openai() for m in messages if m.role != "tool"] + [{"role": "user", "content": GOAL_REQUEST}]
+        chat = [m.to_openai() for m in messages if not isinstance(m, ToolMessage)] + [
+            {"role": "user", "content": GOAL_REQUEST}]
         for m in chat:  # scorers see text only
             if not isinstance(m.get("content"), str):
                 m["content"] = "".join(p.get("text", "") for p in m.get("content") or [])

@@ -24,12 +24,15 @@ import asyncio
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from closedloop.messages import AudioPart, ImagePart, TextPart, UserMessage
+from closedloop.messages import AudioPart, ImagePart, TextPart, UserMessage, _Message
 from closedloop.models.base import ModelClient, SamplingParams
+
+if TYPE_CHECKING:
+    from closedloop.tool import Tool
 
 __all__ = ["ExpertSpec", "TTSSpec", "OrchestratorConfig", "ExpertPool", "load_config"]
 
@@ -110,7 +113,7 @@ class ExpertPool:
         self.calls[name] += 1
         if spec.kind == "model":
             content: list[Any] = [TextPart(text=query)] + ([media] if media is not None else [])
-            msgs = ([] if not spec.system_prompt else [UserMessage(content=spec.system_prompt)])
+            msgs: list[_Message] = [] if not spec.system_prompt else [UserMessage(content=spec.system_prompt)]
             turn = await self.client(name).generate(
                 msgs + [UserMessage(content=content if media is not None else query)],
                 params=SamplingParams(temperature=0.0, max_tokens=spec.max_tokens))
@@ -124,7 +127,7 @@ class ExpertPool:
 
         if name not in self._tools:
             module, tool_name = spec.tool.split(":", 1)  # type: ignore[union-attr]
-            tools = {t.name: t for t in plugins.load("closedloop.tools", module)}
+            tools = {t.name: t for t in cast("list[Tool]", plugins.load("closedloop.tools", module))}
             if tool_name not in tools:
                 raise ValueError(f"expert {name!r}: module {module!r} has no tool {tool_name!r}")
             self._tools[name] = tools[tool_name]

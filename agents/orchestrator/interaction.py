@@ -39,7 +39,7 @@ class ToneTTS:
         self.rate = rate
 
     def synthesize(self, text: str) -> bytes:
-        samples = []
+        samples: list[int] = []
         per_char = int(0.06 * self.rate)
         for ch in text:
             freq = 200 + (ord(ch) % 40) * 10
@@ -52,9 +52,10 @@ class EspeakTTS:
     """espeak-ng through its command line (raw PCM extracted from the WAV it writes to stdout)."""
 
     def __init__(self, voice: str | None = None) -> None:
-        self.exe = shutil.which("espeak-ng")
-        if self.exe is None:
+        exe = shutil.which("espeak-ng")
+        if exe is None:
             raise RuntimeError("espeak-ng is not installed (apt install espeak-ng), use tts.engine: tone")
+        self.exe: str = exe
         self.voice = voice
         self.rate = 22_050
 
@@ -116,9 +117,13 @@ class Player:
 
 @dataclass
 class Session:
-    """One conversation: turns through the orchestrator graph, answers spoken, barge-in honoured."""
+    """One conversation: turns through the orchestrator graph, answers spoken, barge-in honoured.
+
+    ``context`` is the graph's run context (the controller, the experts and the memory), the same
+    for every turn, so the memory lives as long as the session."""
 
     graph: Any
+    context: Any = None
     tts: Any = field(default_factory=ToneTTS)
     player: Player = field(default_factory=Player)
     on_text: Callable[[str], None] | None = None
@@ -132,7 +137,7 @@ class Session:
         if self.player.speaking:
             await self.barge_in()
         message = content if isinstance(content, UserMessage) else UserMessage(content=content)
-        state = await self.graph.ainvoke({"messages": self.history + [message], "scratch": {}})
+        state = await self.graph.ainvoke({"messages": self.history + [message], "scratch": {}}, context=self.context)
         self.history = list(state["messages"])
         final = (state.get("scratch") or {}).get("final") or {}
         if final.get("kind") == "speak":

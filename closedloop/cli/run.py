@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -27,10 +28,9 @@ from rich.prompt import Prompt
 from closedloop import plugins
 from closedloop.messages import AssistantMessage, ToolMessage, UserMessage
 from closedloop.models import SamplingParams, make_client
-from closedloop.runtime import make_checkpointer
-from closedloop.runtime.convert import as_closedloop
+from closedloop.runtime import context_for, load_graph, make_checkpointer, with_checkpointer
+from closedloop.runtime.convert import as_closedloop, role_of
 from closedloop.runtime.execute import GraphRun, run_graph
-from closedloop.runtime.factory import check_factory
 from closedloop.runtime.recording import StoreRecorder
 
 console = Console()
@@ -68,8 +68,7 @@ def _approve_option(value: str | None) -> bool | list[str]:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    factory = plugins.load("closedloop.graphs", args.graph)
-    check_factory(factory, args.graph)
+    graph = load_graph(args.graph)
     tools = plugins.tool_registry([m for m in args.tools.split(",") if m]) if args.tools else None
     import duckdb
 
@@ -84,8 +83,8 @@ async def _run(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/red] {escape(text)}", highlight=False, soft_wrap=True)
         return 2
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    options: dict[str, Any] = dict(params=params, max_turns=args.max_turns, approve=_approve_option(args.approve),
-                                   stream_tokens=not args.no_stream)
+    options: dict[str, Any] = dict(client=client, tools=tools, params=params, max_turns=args.max_turns,
+                                   approve=_approve_option(args.approve), stream_tokens=not args.no_stream)
     if args.system:
         options["system_prompt"] = args.system
     if args.thread and not args.checkpoint:
@@ -98,15 +97,9 @@ async def _run(args: argparse.Namespace) -> int:
         saver_cm = make_checkpointer("sqlite", args.checkpoint) if args.checkpoint else None
         saver = await saver_cm.__aenter__() if saver_cm else make_checkpointer("memory")
         try:
-            graph = factory(client, tools, checkpointer=saver, **options)
-            recorder = StoreRecorder(store, run_id) if store else None
-            result = await _resume(graph, config, recorder, args.input) if args.checkpoint else None
-            resumed_input = result is not None and getattr(result, "resumed_input", False)
-            if result is None or not result.paused:
-                if args.input is not None and not resumed_input:
-                    result = await _turn(graph, {"messages": [UserMessage(content=args.input)]}, config, recorder)
-                elif args.input is None:
-                    result = await _repl(graph, config, recorder, result)
+            run = _Run(with_checkpointer(graph, saver), config, context_for(graph, **options),
+                       StoreRecorder(store, run_id) if store and run_id else None)
+            result = await _drive(run, args.input, resume=bool(args.checkpoint))
             if result.paused:
                 status = "waiting"
                 outcome = {"pending": result.interrupts, "thread_id": thread}
@@ -137,29 +130,53 @@ async def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _resume(graph: Any, config: dict, recorder: Any, text: str | None) -> GraphRun | None:
+@dataclass
+class _Run:
+    """One command's graph run: the graph (with its checkpointer), the thread, the run context and
+    the store's recorder (None with ``--no-store``)."""
+
+    graph: Any
+    config: dict[str, Any]
+    context: Any
+    recorder: StoreRecorder | None
+
+    async def __call__(self, graph_input: Any, on_event: Any) -> GraphRun:
+        return await run_graph(self.graph, graph_input, config=self.config, context=self.context, on_event=on_event,
+                               recorder=self.recorder, durability="sync")
+
+
+async def _drive(run: _Run, text: str | None, *, resume: bool) -> GraphRun:
+    """The command's run: a stopped thread first (``resume``), then ``text`` as a new user message
+    unless the stopped run was answering that very message, or the REPL without ``text``."""
+    resumed = await _resume(run, text) if resume else None
+    if resumed is not None and (resumed[0].paused or resumed[1]):
+        return resumed[0]
+    if text is None:
+        return await _repl(run, resumed[0] if resumed else None)
+    return await _turn(run, {"messages": [UserMessage(content=text)]})
+
+
+async def _resume(run: _Run, text: str | None) -> tuple[GraphRun, bool] | None:
     """Continue a thread that stopped midway; ``None`` when it has nothing pending.
 
     A pending approval is asked again (its interrupt is still in the checkpoint); a step that a
     killed process did not finish is re-run from the last checkpoint (``None`` input), so the
-    model call happens again and nothing is added twice. The returned run has ``resumed_input``
-    set when ``text`` is the user message that the stopped run was answering.
+    model call happens again and nothing is added twice. Also returns whether ``text`` is the user
+    message that the stopped run was answering.
     """
-    snapshot = await graph.aget_state(config)
+    snapshot = await run.graph.aget_state(run.config)
     if not snapshot.next:
         return None
     messages = as_closedloop(snapshot.values.get("messages", []))
-    last_user = next((m.text for m in reversed(messages) if m.role == "user"), None)
+    last_user = next((m.text for m in reversed(messages) if role_of(m) == "user"), None)
     pending = [i.value for task in snapshot.tasks for i in task.interrupts]
-    console.print(f"[yellow]resuming thread {config['configurable']['thread_id']} at {', '.join(snapshot.next)}"
+    console.print(f"[yellow]resuming thread {run.config['configurable']['thread_id']} at {', '.join(snapshot.next)}"
                   + (" (approval pending)" if pending else "") + "[/yellow]")
     if pending:
-        result = await _turn(graph, None, config, recorder, pending=GraphRun(state=dict(snapshot.values),
-                                                                             interrupts=pending))
+        result = await _turn(run, None, pending=GraphRun(state=dict(snapshot.values), interrupts=pending))
     else:
-        result = await _turn(graph, None, config, recorder)
-    result.resumed_input = text is not None and text == last_user  # type: ignore[attr-defined]
-    return result
+        result = await _turn(run, None)
+    return result, text is not None and text == last_user
 
 
 def _open_store(args: argparse.Namespace) -> Any:
@@ -212,7 +229,7 @@ def _ask(request: dict) -> dict | None:
     return {"decisions": decisions}
 
 
-async def _turn(graph: Any, graph_input: Any, config: dict, recorder: Any, pending: GraphRun | None = None) -> GraphRun:
+async def _turn(run: _Run, graph_input: Any, pending: GraphRun | None = None) -> GraphRun:
     """Run until the graph ends, asking the user about each pending approval (LangChain's HITL
     request/decision shape). Returns a paused run when an approval could not be asked."""
     from langgraph.types import Command
@@ -238,20 +255,18 @@ async def _turn(graph: Any, graph_input: Any, config: dict, recorder: Any, pendi
             style = "red" if payload.error else "green"
             console.print(f"[{style}]← {payload.name}: {payload.text[:500]}[/{style}]")
 
-    result = pending or await run_graph(graph, graph_input, config=config, on_event=on_event, recorder=recorder,
-                                        durability="sync")
+    result = pending or await run(graph_input, on_event)
     while result.paused:
         answer = _ask(result.interrupts[0]) if len(result.interrupts) == 1 else None
         if answer is None:
             break
-        result = await run_graph(graph, Command(resume=answer), config=config, on_event=on_event,
-                                 recorder=recorder, durability="sync")
+        result = await run(Command(resume=answer), on_event)
     if streaming["open"]:
         console.print()
     return result
 
 
-async def _repl(graph: Any, config: dict, recorder: Any, result: GraphRun | None = None) -> GraphRun:
+async def _repl(run: _Run, result: GraphRun | None = None) -> GraphRun:
     console.print("[bold]closedloop[/bold] interactive session — empty line or Ctrl-D to quit")
     result = result or GraphRun(state={})
     while not result.paused:
@@ -261,14 +276,14 @@ async def _repl(graph: Any, config: dict, recorder: Any, result: GraphRun | None
             break
         if not text.strip():
             break
-        result = await _turn(graph, {"messages": [UserMessage(content=text)]}, config, recorder)
+        result = await _turn(run, {"messages": [UserMessage(content=text)]})
     return result
 
 
 def _final_answer(result: GraphRun) -> str:
     """The last plain answer of the current invocation (not one from earlier in the thread)."""
     for m in reversed(as_closedloop(result.state.get("messages", []))):
-        if m.role == "user":
+        if role_of(m) == "user":
             break
         if isinstance(m, AssistantMessage) and not m.tool_calls:
             return m.text

@@ -1,34 +1,38 @@
-"""Messages in three forms, one conversation: ours, LangChain's, and OpenAI-format dicts.
+"""Messages at the LangGraph boundary: ours (typed, OpenAI-format) and LangChain's.
 
-A graph's ``messages`` channel accepts all three (:func:`merge_messages`, an ``add_messages``-
-compatible reducer) and keeps the thread in the form its first message came in, so a caller reads
-back what it sent: our pydantic messages, LangChain ``BaseMessage``s (needed by
-``langgraph.prebuilt.ToolNode``/``tools_condition`` and rendered by Studio), or OpenAI dicts
-(``{"role": ..., "content": ...}``). Dicts in LangChain's serialised shape (``{"type": "human", ...}``,
-what Studio sends) count as LangChain. Our nodes read any form through :func:`as_closedloop` and
-write back in the thread's form; the token-exact :class:`~closedloop.messages.Turn` records are
-kept in their own channel whatever the form, so training never depends on the message form.
+A graph's ``messages`` channel holds **LangChain messages**, always (:func:`add_any_messages`, the
+channel's reducer): whatever form a caller sends (our messages, LangChain messages, OpenAI-format
+dicts, LangChain's serialised dicts from Studio), the thread stores LangChain's, and a caller
+reads LangChain's back. That form is chosen because the channel is LangGraph's public surface:
+``add_messages`` semantics (ids, replacement by id, ``RemoveMessage``), the prebuilt ``ToolNode``
+and ``tools_condition``, Studio and the LangGraph SDK all read it, and checkpointers store it
+natively. Training never reads the channel: the token-exact :class:`~closedloop.messages.Turn`
+records travel in their own ``turns`` channel (each ``AIMessage`` a model node writes also
+carries its turn in ``response_metadata["closedloop_turn"]``).
+
+Our nodes and clients speak our typed messages, so they convert at the boundary: on read with
+:func:`as_closedloop` (cached per message object, since a thread is read again at every model
+call) and on write with :func:`to_langchain`. Consumers that want ours back do the same
+(``as_closedloop(out["messages"])``).
 
 Conversions are lossless for what both sides can express: tool-call arguments keep the raw string
 the model emitted (unparseable ones go to LangChain's ``invalid_tool_calls``), tool errors map to
-``ToolMessage.status="error"``, a turn rides in ``AIMessage.response_metadata["closedloop_turn"]``.
+``ToolMessage.status="error"``, reasoning to ``additional_kwargs["reasoning_content"]``.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
-from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, RemoveMessage
+from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage
 from langchain_core.messages import SystemMessage as LCSystemMessage
 from langchain_core.messages import ToolMessage as LCToolMessage
 from langchain_core.messages import convert_to_messages
-from langgraph.graph.message import REMOVE_ALL_MESSAGES, add_messages
+from langgraph.graph.message import add_messages
 
-from closedloop.messages import (AssistantMessage, FunctionCall, SystemMessage, ToolCall, ToolMessage, Turn,
+from closedloop.messages import (AssistantMessage, SystemMessage, ToolCall, ToolMessage, Turn,
                                  UserMessage, _Message, parse_messages)
-
-Form = Literal["closedloop", "langchain", "openai"]
 
 #: ``AIMessage.response_metadata`` key holding the turn (``Turn.model_dump(mode="json")``).
 TURN_KEY = "closedloop_turn"
@@ -38,16 +42,15 @@ _ROLE_OF_TYPE = {"human": "user", "ai": "assistant", "system": "system", "tool":
                  "AIMessageChunk": "assistant", "HumanMessageChunk": "user", "ToolMessageChunk": "tool"}
 
 
-def form_of(message: Any) -> Form:
-    """Which form one message is in (a string or ``(role, text)`` tuple is LangChain's shorthand)."""
-    if isinstance(message, _Message):
-        return "closedloop"
-    if isinstance(message, dict):
-        return "openai" if "role" in message else "langchain"
-    if isinstance(message, (BaseMessage, str, tuple, list)):
-        return "langchain"
-    raise TypeError(f"not a chat message: {type(message).__name__} ({message!r:.80}); use one of ours, a LangChain "
-                    "message or an OpenAI-format dict")
+def is_message(message: Any) -> bool:
+    """Whether ``message`` is a chat message in some form: ours, LangChain's (or its shorthands: a
+    string, a ``(role, text)`` tuple, a serialised dict) or an OpenAI-format dict."""
+    return isinstance(message, (_Message, BaseMessage, dict, str, tuple, list))
+
+
+def _not_a_message(message: Any) -> TypeError:
+    return TypeError(f"not a chat message: {type(message).__name__} ({message!r:.80}); use one of ours, a LangChain "
+                     "message or an OpenAI-format dict")
 
 
 def role_of(message: Any) -> str:
@@ -135,7 +138,8 @@ def _to_closedloop(message: Any) -> _Message:
             return parse_messages([{k: v for k, v in message.items() if k != "id"}])[0]
         message = convert_to_messages([message])[0]
     elif not isinstance(message, BaseMessage):
-        form_of(message)  # a clear TypeError for what is no message at all
+        if not is_message(message):
+            raise _not_a_message(message)
         message = convert_to_messages([message])[0]
     role = role_of(message)
     content = _content_to_ours(message.content)
@@ -158,14 +162,16 @@ def _assistant_to_ours(message: BaseMessage, content: Any) -> AssistantMessage:
     raw = (message.additional_kwargs or {}).get("tool_calls")
     if isinstance(message, AIMessage):
         for tc in message.tool_calls:
-            calls.append(ToolCall(id=tc.get("id") or ToolCall.model_fields["id"].default_factory(),
-                                  function=FunctionCall(name=tc["name"], arguments=json.dumps(tc.get("args") or {}))))
-        for tc in message.invalid_tool_calls:
-            calls.append(ToolCall(id=tc.get("id") or ToolCall.model_fields["id"].default_factory(),
-                                  function=FunctionCall(name=tc.get("name") or "", arguments=tc.get("args") or "")))
-        # The raw OpenAI tool calls (when a converter kept them) hold the exact argument strings.
+            calls.append(ToolCall.make(tc["name"], tc.get("args") or {}, tc.get("id")))
+        for itc in message.invalid_tool_calls:
+            calls.append(ToolCall.make(itc.get("name") or "", itc.get("args") or "", itc.get("id")))
+        # The raw OpenAI tool calls (when a converter kept them) hold the exact argument strings,
+        # in the order the model emitted them (LangChain splits valid from malformed calls).
         if raw and len(raw) == len(calls):
             by_id = {c.get("id"): c for c in raw if isinstance(c, dict)}
+            if set(by_id) == {c.id for c in calls}:
+                order = {call_id: i for i, call_id in enumerate(by_id)}
+                calls.sort(key=lambda c: order[c.id])
             for call in calls:
                 original = by_id.get(call.id, {}).get("function", {})
                 if isinstance(original.get("arguments"), str):
@@ -192,8 +198,16 @@ def to_langchain(message: Any, turn: Turn | None = None) -> BaseMessage:
         return LCToolMessage(content=content, tool_call_id=m.tool_call_id, name=m.name,
                              status="error" if m.error else "success",
                              additional_kwargs={"error": m.error} if m.error else {})
-    assert isinstance(m, AssistantMessage)
-    tool_calls, invalid = [], []
+    if not isinstance(m, AssistantMessage):
+        raise ValueError(f"cannot convert a {type(m).__name__} to a LangChain message")
+    return ai_message(m, turn)
+
+
+def ai_message(m: AssistantMessage, turn: Turn | None = None) -> AIMessage:
+    """Our assistant message as an ``AIMessage``, carrying ``turn`` (when given) in its metadata."""
+    content = _content_to_langchain(m.content)
+    tool_calls: list[Any] = []
+    invalid: list[Any] = []
     for call in m.tool_calls or []:
         try:
             args = call.parsed_arguments()
@@ -233,12 +247,17 @@ def turn_of(message: Any) -> Turn | None:
     return data if isinstance(data, Turn) else Turn.model_validate(data)
 
 
+def action_of(message: Any) -> Turn | AssistantMessage:
+    """What a one-step policy's last message hands an environment: the turn it carries (a model's
+    reply, token-exact), else the message itself in our form (one the graph composed)."""
+    turn = turn_of(message)
+    if turn is not None:
+        return turn
+    ours = to_closedloop(message)
+    return ours if isinstance(ours, AssistantMessage) else AssistantMessage(content=ours.text)
+
+
 # --------------------------------------------------------------------------- lists
-
-
-def thread_form(messages: Sequence[Any]) -> Form:
-    """The form of a thread: that of its first message (ours when empty)."""
-    return form_of(messages[0]) if messages else "closedloop"
 
 
 def as_closedloop(messages: Sequence[Any]) -> list[_Message]:
@@ -248,54 +267,35 @@ def as_closedloop(messages: Sequence[Any]) -> list[_Message]:
     return [to_closedloop(m) for m in messages]
 
 
-def in_form(messages: Sequence[_Message], form: Form, turns: Sequence[Turn | None] | None = None) -> list[Any]:
-    """Our messages converted to ``form`` (assistant messages paired with their ``turns`` when given)."""
-    if form == "closedloop":
-        return list(messages)
-    if form == "openai":
-        return [m.to_openai() for m in messages]
-    turns = list(turns or [])
-    return [to_langchain(m, turns[i] if i < len(turns) else None) for i, m in enumerate(messages)]
+def as_langchain(messages: Any) -> list[Any]:
+    """Messages (one or a list, any form) as LangChain messages; ``RemoveMessage`` and LangChain's
+    own shorthands (strings, ``(role, text)`` tuples, serialised dicts) pass to ``add_messages``."""
+    items = list(messages) if isinstance(messages, (list, tuple)) else ([] if messages is None else [messages])
+    out = []
+    for m in items:
+        if isinstance(m, _Message) or (isinstance(m, dict) and "role" in m):
+            out.append(to_langchain(m))
+        elif is_message(m):
+            out.append(m)
+        else:
+            raise _not_a_message(m)
+    return out
 
 
-def convert_to(message: Any, form: Form) -> Any:
-    if form == "closedloop":
-        return to_closedloop(message)
-    if form == "openai":
-        return to_openai(message)
-    return to_langchain(message)
-
-
-def merge_messages(left: Any, right: Any) -> list[Any]:
-    """Append ``right`` to ``left``, converting it to the thread's form (``add_messages``-compatible).
-
-    In the LangChain form this is LangGraph's ``add_messages`` itself (ids, replacement by id,
-    ``RemoveMessage``). Our and the OpenAI form have no message ids, so they append; a
-    ``RemoveMessage(id=REMOVE_ALL_MESSAGES)`` clears the thread in every form.
-    """
-    left = list(left) if isinstance(left, (list, tuple)) else ([] if left is None else [left])
-    right = list(right) if isinstance(right, (list, tuple)) else ([] if right is None else [right])
-    if not right:
+def _stored(left: Any) -> list[Any]:
+    """The channel's current list: already LangChain's (it holds nothing else, so its ends tell),
+    or a thread checkpointed in our form before the channel was LangChain's, converted now."""
+    if isinstance(left, list) and (not left or (isinstance(left[0], BaseMessage) and isinstance(left[-1], BaseMessage))):
         return left
-    for i in range(len(right) - 1, -1, -1):
-        m = right[i]
-        if isinstance(m, RemoveMessage) and m.id == REMOVE_ALL_MESSAGES:
-            left, right = [], right[i + 1:]
-            if not right:
-                return []
-            break
-    form = thread_form(left) if left else thread_form(right)
-    if form == "closedloop":
-        if all(isinstance(m, _Message) for m in right):
-            return left + right
-    if form == "langchain":
-        return add_messages(left, [m if isinstance(m, BaseMessage) else to_langchain(m) for m in right])
-    for m in right:
-        if isinstance(m, RemoveMessage):
-            raise ValueError(f"a thread of {form} messages has no message ids: only RemoveMessage(id="
-                             f"REMOVE_ALL_MESSAGES) can remove messages from it")
-    return left + [convert_to(m, form) for m in right]
+    return as_langchain(left)
 
 
-__all__ = ["Form", "TURN_KEY", "form_of", "role_of", "to_closedloop", "to_langchain", "to_openai", "turn_of",
-           "thread_form", "as_closedloop", "in_form", "convert_to", "merge_messages"]
+def add_any_messages(left: Any, right: Any) -> list[Any]:
+    """The ``messages`` channel's reducer: LangGraph's ``add_messages`` over LangChain messages,
+    taking any form on either side."""
+    return add_messages(_stored(left), as_langchain(right))  # type: ignore[arg-type,return-value]
+
+
+__all__ = ["TURN_KEY", "is_message", "role_of", "to_closedloop", "to_langchain", "ai_message", "to_openai", "turn_of",
+           "as_closedloop", "as_langchain", "add_any_messages",
+           "action_of"]

@@ -34,11 +34,12 @@ class GraphRun:
         return bool(self.interrupts)
 
 
-async def run_graph(graph: Any, graph_input: Any, *, config: dict[str, Any] | None = None,
+async def run_graph(graph: Any, graph_input: Any, *, config: dict[str, Any] | None = None, context: Any = None,
                     on_event: Callable[[Event], None] | None = None, recorder: Recorder | None = None,
                     durability: str | None = None) -> GraphRun:
     """Invoke ``graph`` with streaming; ``graph_input`` may be a state dict, a ``Command(resume=...)``,
     or ``None`` (continue a checkpointed thread from where it stopped: its pending node re-runs).
+    ``context`` is the run's :class:`~closedloop.runtime.context.AgentContext` (model, tools, settings).
 
     ``durability="sync"`` writes each checkpoint before the next step starts (LangGraph's default,
     ``"async"``, overlaps them), so a process killed mid-step resumes from the step it was in.
@@ -48,7 +49,9 @@ async def run_graph(graph: Any, graph_input: Any, *, config: dict[str, Any] | No
     emit = on_event or (lambda event: None)
     if recorder is not None and isinstance(graph_input, dict) and graph_input.get("messages"):
         recorder.record(as_closedloop(_as_list(graph_input["messages"])), [], [])  # the input is part of the run too
-    extra = {"durability": durability} if durability else {}
+    extra: dict[str, Any] = {"durability": durability} if durability else {}
+    if context is not None:
+        extra["context"] = context
     async for mode, chunk in graph.astream(graph_input, config, stream_mode=["updates", "custom", "values"], **extra):
         if mode == "values":
             state = {k: v for k, v in chunk.items() if not k.startswith("__")}

@@ -1,21 +1,25 @@
-"""The state of an agent graph. Lists grow by concatenation, so a node returns only what it adds;
-nothing is ever rewritten in place, which keeps the token record exact.
+"""The state of an agent graph. Lists grow by their reducers, so a node returns only what it adds;
+nothing is rewritten in place, which keeps the token record exact.
 
-``messages`` takes our messages, LangChain messages or OpenAI-format dicts and keeps the thread in
-the form it started in (:func:`~closedloop.runtime.convert.merge_messages`); ``turns`` and
-``tool_records`` are always ours: they are the training and audit record.
+``messages`` is the conversation in LangChain's form whatever form a caller sends
+(:func:`~closedloop.runtime.convert.add_any_messages`; why LangChain's: see
+:mod:`closedloop.runtime.convert`); ``turns`` and ``tool_records`` are ours: they are the
+training and audit record. ``scratch`` is the graph's own data (beliefs, stage, budgets): what a
+graph must remember between the steps of an environment lives there, since an environment that
+drives the graph step by step hands it back on the next step (:mod:`closedloop.trainers.rollout`,
+:mod:`closedloop.evals.tau.agents`).
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Annotated, Any, TypedDict, Union
+from typing import Annotated, Any, TypedDict
 
 from langchain_core.messages import AnyMessage
 from pydantic import BaseModel
 
-from closedloop.messages import AssistantMessage, SystemMessage, ToolMessage, Turn, UserMessage
-from closedloop.runtime.convert import merge_messages
+from closedloop.messages import Turn
+from closedloop.runtime.convert import add_any_messages
 
 
 class ToolRecord(BaseModel):
@@ -31,13 +35,8 @@ class ToolRecord(BaseModel):
     turn_idx: int | None = None  # which model turn issued the call
 
 
-#: A message in any accepted form (ours, LangChain's, an OpenAI-format dict).
-AnyFormMessage = Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage, AnyMessage, dict[str, Any]]
-
-
 class AgentState(TypedDict, total=False):
-    messages: Annotated[list[AnyFormMessage], merge_messages]
+    messages: Annotated[list[AnyMessage], add_any_messages]
     turns: Annotated[list[Turn], operator.add]
     tool_records: Annotated[list[ToolRecord], operator.add]
-    # Free-form per-graph data (beliefs, stage, ...) that specialised graphs extend.
     scratch: dict[str, Any]

@@ -18,12 +18,12 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
-from closedloop import plugins
 from closedloop.agents.factguard import DecisionReward, parse_verdict, sample_prompt
 from closedloop.evals.factguard.data import BinaryMetrics, Sample, binary_metrics
 from closedloop.evals.factguard.env import overview_image, transcribe
 from closedloop.messages import AssistantMessage, ImagePart, TextPart, Trajectory, UserMessage
 from closedloop.models.base import ModelClient, SamplingParams
+from closedloop.runtime import check_graph, context_for, load_graph
 from closedloop.runtime.convert import as_closedloop
 from closedloop.tool import ToolRegistry
 from closedloop.tools.clipscout import make_clipscout_tool
@@ -54,7 +54,7 @@ class FactGuardReport(BaseModel):
 
 
 async def aevaluate_factguard(samples: list[Sample], client: ModelClient, backend: SearchBackend, *,
-                              graph: str | Callable[..., Any] = "factguard", vision: bool = False,
+                              graph: str | Any = "factguard", vision: bool = False,
                               params: SamplingParams | None = None, concurrency: int = 4, timeout_s: float = 300.0,
                               reward: DecisionReward | None = None, store: Any = None, name: str | None = None,
                               on_result: Callable[[SampleResult], None] | None = None,
@@ -62,14 +62,15 @@ async def aevaluate_factguard(samples: list[Sample], client: ModelClient, backen
     """Evaluate ``graph`` on ``client`` over ``samples``; see the module docstring."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
-    factory = plugins.load("closedloop.graphs", graph) if isinstance(graph, str) else graph
+    compiled_graph = load_graph(graph) if isinstance(graph, str) else check_graph(graph)
+    graph_name = graph if isinstance(graph, str) else compiled_graph.name
     reward = reward or DecisionReward()
     params = params or SamplingParams(temperature=0.0, max_tokens=512)
     sem = asyncio.Semaphore(concurrency)
     tmp = tempfile.TemporaryDirectory(prefix="closedloop-factguard-eval-")
     parent = None
     if store is not None:
-        parent = store.start_run(kind="eval", graph=str(graph), model_spec=client.spec,
+        parent = store.start_run(kind="eval", graph=graph_name, model_spec=client.spec,
                                  config={"benchmark": "factguard", "n": len(samples), "vision": vision},
                                  tags=["factguard"] + ([f"name:{name}"] if name else []))
     trajectories: list[Trajectory] = []
@@ -91,8 +92,8 @@ async def aevaluate_factguard(samples: list[Sample], client: ModelClient, backen
             else:
                 user = UserMessage(content=text)
             try:
-                compiled = factory(client, tools, params=params, attach_frames=vision)
-                out = await asyncio.wait_for(compiled.ainvoke({"messages": [user]}), timeout_s)
+                context = context_for(compiled_graph, client=client, tools=tools, params=params, attach_frames=vision)
+                out = await asyncio.wait_for(compiled_graph.ainvoke({"messages": [user]}, context=context), timeout_s)
             except Exception as e:  # scored as unanswered, recorded with its reason
                 r = reward.score(None, s.label, well_formed=False, used_tool=False)
                 return SampleResult(id=s.id, label=s.label, predicted=None, well_formed=False, tools_used=[],
@@ -125,9 +126,9 @@ async def aevaluate_factguard(samples: list[Sample], client: ModelClient, backen
     report = FactGuardReport(metrics=metrics, results=results,
                              tool_rate=sum(bool(r.tools_used) for r in results) / max(1, len(results)),
                              samples_per_minute=60 * len(results) / max(elapsed, 1e-9), concurrency=concurrency,
-                             graph=str(graph), model=client.spec)
+                             graph=graph_name, model=client.spec)
     if store is not None and parent is not None:
-        store.record_trajectories(trajectories, kind="eval-episode", graph=str(graph), model_spec=client.spec,
+        store.record_trajectories(trajectories, kind="eval-episode", graph=graph_name, model_spec=client.spec,
                                   parent_id=parent, tags=["factguard"])
         errors = sum(r.error is not None for r in results)
         store.finish_run(parent, "completed", outcome={"metrics": metrics.model_dump(), "errors": errors,

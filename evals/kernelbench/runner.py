@@ -120,32 +120,27 @@ AgentRunner = Callable[[Problem, int, KernelEvaluator], Any]  # async -> (code |
 def graph_agent(agent: str, model: Any, *, backend: str = "cpu", rounds: int | None = None,
                 params: Any = None, sampling_seed: int | None = 0) -> AgentRunner:
     """Runs the registered graph ``agent`` with ``model`` (a spec or a ``ModelClient``) on a problem,
-    with ``evaluate_kernel``/``profile_kernel`` bound to it; returns (final code, trajectory).
+    with ``evaluate_kernel``/``profile_kernel`` bound to it in the run context; returns (final code,
+    trajectory).
 
     ``params`` (``SamplingParams``) replace the graph's default sampling; sample ``i`` of a
-    problem runs with seed ``sampling_seed + i`` (through the run config, as rollouts do), so the
-    K samples of pass@k are distinct draws and a rerun draws the same ones."""
+    problem runs with seed ``sampling_seed + i`` (the run context's ``params.seed``, as rollouts
+    do), so the K samples of pass@k are distinct draws and a rerun draws the same ones."""
     from closedloop.evals.kernelbench.tools import make_kernel_tools
+    from closedloop.graphs.kernel import KERNEL_PARAMS
     from closedloop.models import make_client
-    from closedloop.plugins import load
+    from closedloop.runtime import context_for, load_graph
     from closedloop.runtime.convert import as_closedloop
-    from closedloop.runtime.nodes import SAMPLING_SEED
 
-    factory = load("closedloop.graphs", agent)
+    graph = load_graph(agent)
     client = make_client(model) if isinstance(model, str) else model
 
     async def run(problem: Problem, sample_id: int, evaluator: KernelEvaluator):
         tools = make_kernel_tools(problem, backend, config=evaluator.config, slots=evaluator.slots)
-        kwargs: dict[str, Any] = {"backend": backend}
-        if rounds is not None:
-            kwargs["rounds"] = rounds
-        if params is not None:
-            kwargs["params"] = params
-        graph = factory(client, tools, **kwargs)
-        config: dict[str, Any] = {"recursion_limit": 200}
-        if sampling_seed is not None:
-            config["configurable"] = {SAMPLING_SEED: sampling_seed + sample_id}
-        state = await graph.ainvoke({"problem": problem.code}, config=config)
+        base = params if params is not None else KERNEL_PARAMS
+        seeded = base if sampling_seed is None else base.model_copy(update={"seed": sampling_seed + sample_id})
+        context = context_for(graph, client=client, tools=tools, backend=backend, rounds=rounds, params=seeded)
+        state = await graph.ainvoke({"problem": problem.code}, {"recursion_limit": 200}, context=context)
         traj = Trajectory(messages=as_closedloop(state.get("messages", [])), turns=list(state.get("turns", [])),
                           metadata={"agent": agent, "problem": problem.key, "sample": sample_id})
         return state.get("final_code"), traj

@@ -10,10 +10,12 @@ from closedloop.agents.clarifier.belief import Belief, BeliefTracker, should_ask
 from closedloop.agents.clarifier.reward import (clarification_exchanges, information_gain,
                                                 trajectory_information_gain)
 from closedloop.agents.clarifier.scorer import GoalScorer
-from closedloop.graphs.clarifier import build_clarifier_graph
+from closedloop.graphs.clarifier import ClarifierContext, graph
 from closedloop.messages import AssistantMessage, Trajectory, UserMessage
 from closedloop.models.base import SamplingParams
 from closedloop.models.scripted import ScriptedClient
+from closedloop.runtime import make_checkpointer, with_checkpointer
+from closedloop.runtime.convert import as_closedloop
 
 REQUEST = [UserMessage(content="I want to return an item.")]
 QUESTION = "Which item do you mean?"
@@ -102,31 +104,31 @@ def test_belief_is_a_distribution_and_entropy_gates_asking(scorer):
 async def test_clarifier_graph_asks_once_then_proceeds(scorer):
     policy = ScriptedClient([AssistantMessage(content="Which item would you like to return?"),
                              AssistantMessage(content="I have started the return.")])
-    graph = build_clarifier_graph(policy, scorer=scorer, candidates=lambda msgs: GOALS, threshold=0.0,
-                                  checkpointer=__import__("closedloop.runtime", fromlist=["x"]).make_checkpointer("memory"))
+    kept = with_checkpointer(graph, make_checkpointer("memory"))
+    context = ClarifierContext(client=policy, scorer=scorer, candidates=lambda msgs: GOALS, threshold=0.0)
     cfg = {"configurable": {"thread_id": "c1"}}
-    out = await graph.ainvoke({"messages": REQUEST}, cfg)
+    out = await kept.ainvoke({"messages": REQUEST}, cfg, context=context)
     assert out["messages"][-1].text.endswith("?") and out["scratch"]["decision"] == "ask"
     assert set(out["scratch"]["belief"]) == set(GOALS)
-    out = await graph.ainvoke({"messages": [UserMessage(content="It is the lamp.")]}, cfg)
+    out = await kept.ainvoke({"messages": [UserMessage(content="It is the lamp.")]}, cfg, context=context)
     assert out["scratch"]["decision"] == "proceed"  # budget of one question spent
     assert out["messages"][-1].text == "I have started the return."
 
 
 async def test_clarifier_proceeds_when_confident(scorer):
     policy = ScriptedClient([AssistantMessage(content="Sure, done.")])
-    graph = build_clarifier_graph(policy, scorer=scorer, candidates=lambda msgs: GOALS[:1])
-    out = await graph.ainvoke({"messages": REQUEST})
+    out = await graph.ainvoke({"messages": REQUEST}, context=ClarifierContext(
+        client=policy, scorer=scorer, candidates=lambda msgs: GOALS[:1]))
     assert out["scratch"]["decision"] == "proceed" and out["messages"][-1].text == "Sure, done."
-    graph = build_clarifier_graph(ScriptedClient([AssistantMessage(content="ok")]), scorer=scorer,
-                                  candidates=lambda msgs: GOALS, threshold=1.01)
-    assert (await graph.ainvoke({"messages": REQUEST}))["scratch"]["decision"] == "proceed"
+    context = ClarifierContext(client=ScriptedClient([AssistantMessage(content="ok")]), scorer=scorer,
+                               candidates=lambda msgs: GOALS, threshold=1.01)
+    assert (await graph.ainvoke({"messages": REQUEST}, context=context))["scratch"]["decision"] == "proceed"
 
 
 async def test_clarifier_templates_a_question_and_keeps_the_models_reply_out_of_training(scorer):
     policy = ScriptedClient([AssistantMessage(content="ok")])
-    graph = build_clarifier_graph(policy, scorer=scorer, candidates=lambda msgs: GOALS, threshold=0.0)
-    out = await graph.ainvoke({"messages": REQUEST})
+    out = await graph.ainvoke({"messages": REQUEST}, context=ClarifierContext(
+        client=policy, scorer=scorer, candidates=lambda msgs: GOALS, threshold=0.0))
     assert out["messages"][-1].text.startswith("Could you tell me which you mean")
     (turn,) = out["turns"]  # the model call, recorded as generated; the template has no turn
     assert turn.message.text == "ok" and not turn.trainable and turn.purpose == "ask_discarded"
@@ -137,8 +139,8 @@ async def test_the_goal_proposal_call_is_recorded_and_marked_not_for_training(sc
     marked trainable=False; the question that follows is the policy's (trainable) action."""
     policy = ScriptedClient([AssistantMessage(content="\n".join(GOALS)),
                              AssistantMessage(content="Which item would you like to return?")])
-    graph = build_clarifier_graph(policy, scorer=scorer, threshold=0.0)
-    out = await graph.ainvoke({"messages": REQUEST})
+    out = await graph.ainvoke({"messages": REQUEST}, context=ClarifierContext(client=policy, scorer=scorer,
+                                                                             threshold=0.0))
     assert len(policy.calls) == 2 and set(out["scratch"]["belief"]) == set(GOALS)
     propose, ask = out["turns"]
     assert (propose.trainable, propose.purpose) == (False, "propose_goals")
@@ -149,21 +151,20 @@ async def test_the_goal_proposal_call_is_recorded_and_marked_not_for_training(sc
 async def test_token_view_of_a_real_clarifier_episode_skips_the_proposal(scorer, tiny_client):
     """With the real tiny model: the proposal turn carries its tokens (recorded, auditable) but a
     trainer's token view holds only the policy's turns."""
-    graph = build_clarifier_graph(tiny_client, scorer=scorer, threshold=0.0,
-                                  params=SamplingParams(temperature=0, max_tokens=24))
-    out = await graph.ainvoke({"messages": REQUEST})
+    out = await graph.ainvoke({"messages": REQUEST}, context=ClarifierContext(
+        client=tiny_client, scorer=scorer, threshold=0.0, params=SamplingParams(temperature=0, max_tokens=24)))
     turns = out["turns"]
     assert turns[0].purpose == "propose_goals" and not turns[0].trainable and turns[0].completion_ids
     assert turns[0].logprob_spec is not None and turns[0].logprob_spec.backend == "hf"
     trainable = {i for i, t in enumerate(turns) if t.trainable}
     assert trainable, [t.purpose for t in turns]
-    views = Trajectory(messages=out["messages"], turns=turns).token_view()
+    views = Trajectory(messages=as_closedloop(out["messages"]), turns=turns).token_view()
     used = {i for v in views for i in v.turn_index if i >= 0}
     assert used == trainable and 0 not in used
-    everything = Trajectory(messages=out["messages"], turns=turns).token_view(include_untrainable=True)
+    everything = Trajectory(messages=as_closedloop(out["messages"]), turns=turns).token_view(include_untrainable=True)
     assert 0 in {i for v in everything for i in v.turn_index}
 
 
 def test_clarifier_needs_a_scorer_for_remote_models():
     with pytest.raises(ValueError, match="needs a scorer"):
-        build_clarifier_graph(ScriptedClient([]))
+        ClarifierContext(client=ScriptedClient([]))

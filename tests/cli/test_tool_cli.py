@@ -15,7 +15,7 @@ import pytest
 from closedloop import plugins
 from closedloop.cli import main
 from closedloop.messages import AssistantMessage, ToolCall
-from closedloop.runtime.nodes import make_tool_node
+from closedloop.runtime.nodes import run_tool_calls
 from closedloop.store import RunStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,8 +60,8 @@ def test_the_cli_result_is_what_a_graphs_tool_node_returns(capsys, store_path, t
     arguments = json.dumps({"faces": str(tmp_path / "faces.npy")})
     rc, out = call(capsys, store_path, "mesh_incidence", "--args", arguments)
     assert rc == 0
-    node = make_tool_node(plugins.tool_registry(MODULES.split(",")))
-    update = asyncio.run(node({"messages": [AssistantMessage(content="", tool_calls=[ToolCall.make("mesh_incidence", arguments)])]}))
+    state = {"messages": [AssistantMessage(content="", tool_calls=[ToolCall.make("mesh_incidence", arguments)])]}
+    update = asyncio.run(run_tool_calls(state, plugins.tool_registry(MODULES.split(","))))
     from_graph = json.loads(update["messages"][0].text)
     from_cli = json.loads(out["content"])
     for report in (from_graph, from_cli):  # each call saves its own artifacts

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from closedloop.graphs.egg import build_egg_graph
+from closedloop.graphs.egg import EggContext, graph
 from closedloop.messages import AssistantMessage
 from closedloop.models.scripted import ScriptedClient
 
@@ -78,7 +78,7 @@ async def _run(replies, profile=None, **kw):
     script = EggScript(replies, profile)
     client = ScriptedClient(script)
     options = dict(paradigms=PARADIGMS, debug_rounds=2, refine_rounds=1) | kw
-    out = await build_egg_graph(client, tools, **options).ainvoke({"problem": PROBLEM})
+    out = await graph.ainvoke({"problem": PROBLEM}, context=EggContext(client=client, tools=tools, **options))
     return out, client, script, seen
 
 
@@ -184,13 +184,13 @@ def test_bad_options_are_clear_errors():
     tools, _ = fake_kernel_tools()
     client = ScriptedClient([])
     with pytest.raises(ValueError, match="in the order"):
-        build_egg_graph(client, tools, tuning_steps=["tiling", "parallel_mapping"])
+        EggContext(client=client, tools=tools, tuning_steps=["tiling", "parallel_mapping"])
     with pytest.raises(ValueError, match="unknown tuning steps"):
-        build_egg_graph(client, tools, tuning_steps=["vectorise"])
+        EggContext(client=client, tools=tools, tuning_steps=["vectorise"])
     with pytest.raises(ValueError, match="num_seeds"):
-        build_egg_graph(client, tools, num_seeds=0)
-    with pytest.raises(ValueError, match="evaluate_kernel"):
-        build_egg_graph(client, None)
+        EggContext(client=client, tools=tools, num_seeds=0)
+    with pytest.raises(ValueError, match="the egg graph needs an `evaluate_kernel"):
+        EggContext(client=client)
 
 
 async def test_rounds_is_the_write_and_debug_budget_of_each_task():
@@ -199,4 +199,4 @@ async def test_rounds_is_the_write_and_debug_budget_of_each_task():
     out, _, script, _ = await _run(replies, paradigms=PARADIGMS[:1], rounds=2)
     assert script.roles == ["seed", "debug"]
     with pytest.raises(ValueError, match="rounds"):
-        build_egg_graph(ScriptedClient([]), fake_kernel_tools()[0], rounds=0)
+        EggContext(client=ScriptedClient([]), tools=fake_kernel_tools()[0], rounds=0)

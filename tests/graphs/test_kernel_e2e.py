@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from closedloop.graphs.egg import build_egg_graph
-from closedloop.graphs.kernel import build_kernel_graph
+from closedloop.graphs import egg as egg_graph
+from closedloop.graphs import kernel as kernel_graph
 from closedloop.messages import AssistantMessage
 from closedloop.models.scripted import ScriptedClient
 
@@ -39,7 +39,8 @@ def tools(request):
 
 async def test_kernel_graph_on_the_real_harness(tools):
     client = ScriptedClient([reply(ALIAS), reply(WRONG), reply(RIGHT)])
-    out = await build_kernel_graph(client, tools, rounds=3).ainvoke({"problem": PROBLEM})
+    out = await kernel_graph.graph.ainvoke({"problem": PROBLEM},
+                                     context=kernel_graph.KernelContext(client=client, tools=tools, rounds=3))
     statuses = [a["status"] for a in out["attempts"]]
     assert statuses[0] in ("incorrect", "policy_violation") and statuses[1] == "incorrect" and statuses[2] == "correct"
     # the hostile candidate's flag and the wrong one's differences reached the model as feedback
@@ -63,9 +64,9 @@ async def test_egg_graph_on_the_real_harness(tools):
         return reply(RIGHT)
 
     client = ScriptedClient(script)
-    graph = build_egg_graph(client, tools, paradigms=["direct"], debug_rounds=0, refine_rounds=0,
-                            tuning_steps=["parallel_mapping"])
-    out = await graph.ainvoke({"problem": PROBLEM})
+    context = egg_graph.EggContext(client=client, tools=tools, paradigms=["direct"], debug_rounds=0, refine_rounds=0,
+                             tuning_steps=["parallel_mapping"])
+    out = await egg_graph.graph.ainvoke({"problem": PROBLEM}, context=context)
     assert [t.purpose for t in out["turns"]] == ["code", "profile", "tune"]
     # the profiler's real report reached the profile agent
     profile_prompt = client.calls[1][-1].content
@@ -77,10 +78,10 @@ async def test_egg_graph_on_the_real_harness(tools):
 
 async def test_the_harness_runs_the_registered_kernel_graph(tools, request):
     """As ``closedloop eval kernelbench --agent kernel --rounds 1`` calls it (graph_agent); egg takes
-    the same call (its full default run, ~10 evaluations, is too slow for a test: built only)."""
-    from closedloop import plugins
+    the same run context (its full default run, ~10 evaluations, is too slow for a test: the context only)."""
+    from closedloop.runtime import context_for, load_graph
 
-    plugins.load("closedloop.graphs", "egg")(ScriptedClient([]), tools, backend="cpu", rounds=1)
+    context_for(load_graph("egg"), client=ScriptedClient([]), tools=tools, backend="cpu", rounds=1)
     from closedloop.evals.kernelbench.evaluate import KernelEvaluator
     from closedloop.evals.kernelbench.runner import graph_agent
 

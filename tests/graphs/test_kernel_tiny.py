@@ -4,8 +4,7 @@ reply is a ``no_code`` round; what breaks here is plumbing (prompt building, rec
 
 import pytest
 
-from closedloop.graphs.egg import build_egg_graph
-from closedloop.graphs.kernel import build_kernel_graph
+from closedloop.graphs import egg, kernel
 from closedloop.models.base import SamplingParams
 
 from ._kernel_support import PROBLEM, fake_kernel_tools
@@ -17,7 +16,8 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=12)
 
 async def test_kernel_graph_runs_on_the_tiny_model(tiny_client):
     tools, _ = fake_kernel_tools()
-    out = await build_kernel_graph(tiny_client, tools, rounds=2, params=PARAMS).ainvoke({"problem": PROBLEM})
+    context = kernel.KernelContext(client=tiny_client, tools=tools, rounds=2, params=PARAMS)
+    out = await kernel.graph.ainvoke({"problem": PROBLEM}, context=context)
     assert len(out["turns"]) == 2 and all(t.has_tokens and t.trainable for t in out["turns"])
     assert [a["round"] for a in out["attempts"]] == [1, 2]
     # the second call saw the first reply and its verdict: its prompt is longer than the first's
@@ -26,8 +26,8 @@ async def test_kernel_graph_runs_on_the_tiny_model(tiny_client):
 
 async def test_egg_graph_runs_on_the_tiny_model(tiny_client):
     tools, _ = fake_kernel_tools()
-    graph = build_egg_graph(tiny_client, tools, num_seeds=2, debug_rounds=1, params=PARAMS)
-    out = await graph.ainvoke({"problem": PROBLEM})
+    context = egg.EggContext(client=tiny_client, tools=tools, num_seeds=2, debug_rounds=1, params=PARAMS)
+    out = await egg.graph.ainvoke({"problem": PROBLEM}, context=context)
     assert [t.purpose for t in out["turns"]] == ["code", "debug", "code", "debug"]
     assert all(t.has_tokens for t in out["turns"])
     assert [a["status"] for a in out["attempts"]] == ["no_code"] * 4

@@ -12,7 +12,7 @@ import pytest
 from closedloop.agents.orchestrator import GrammarError, load_config, parse_program
 from closedloop.agents.orchestrator.experts import ExpertPool
 from closedloop.agents.orchestrator.interaction import Player, Session, ToneTTS
-from closedloop.graphs.orchestrator import APOLOGY, build_orchestrator_graph
+from closedloop.graphs.orchestrator import APOLOGY, OrchestratorContext, graph
 from closedloop.memory.cross_modal import CrossModalMemory, MemoryRecord
 from closedloop.messages import AssistantMessage, ImagePart, TextPart, UserMessage
 from closedloop.models.scripted import ScriptedClient
@@ -87,14 +87,14 @@ def test_invalid_tokens_are_reprompted_and_counted(tmp_path):
     controller = ScriptedClient([AssistantMessage(content="I think it is a cat."),
                                  AssistantMessage(content='<call expert="calc">{"a": 2, "b": 3}</call>'),
                                  AssistantMessage(content="<speak>It is 5.</speak>")])
-    graph = build_orchestrator_graph(controller, experts=ExpertPool(cfg))
-    out = asyncio.run(graph.ainvoke({"messages": [UserMessage(content="2+3?")], "scratch": {}}))
+    context = OrchestratorContext(client=controller, experts=ExpertPool(cfg))
+    out = asyncio.run(graph.ainvoke({"messages": [UserMessage(content="2+3?")], "scratch": {}}, context=context))
     assert out["scratch"]["reprompts"] == 1 and out["scratch"]["final"] == {"kind": "speak", "text": "It is 5."}
     assert "Invalid control tokens: text outside control tokens" in controller.calls[1][-1].text
     assert "-> 5" in controller.calls[2][-1].text  # the tool expert's output came back
     stubborn = ScriptedClient([AssistantMessage(content="no")], cycle=True)
-    out = asyncio.run(build_orchestrator_graph(stubborn, experts=ExpertPool(cfg), max_reprompts=2).ainvoke(
-        {"messages": [UserMessage(content="?")], "scratch": {}}))
+    out = asyncio.run(graph.ainvoke({"messages": [UserMessage(content="?")], "scratch": {}},
+                                    context=OrchestratorContext(client=stubborn, experts=cfg, max_reprompts=2)))
     assert out["scratch"]["reprompts"] == 3 and out["scratch"]["final"]["text"] == APOLOGY
 
 
@@ -112,10 +112,10 @@ def test_repeated_question_about_the_same_image_is_answered_from_memory(tmp_path
     vision = EchoVision()
     pool = ExpertPool(config(tmp_path, "hf:unused"), clients={"vision": vision})
     memory = CrossModalMemory(tmp_path / "memory.duckdb")
-    graph = build_orchestrator_graph(asking_controller(), experts=pool, memory=memory)
+    context = OrchestratorContext(client=asking_controller(), experts=pool, memory=memory)
 
     def ask(data, text="What is in this picture?"):
-        return asyncio.run(graph.ainvoke({"messages": [image_question(data, text)], "scratch": {}}))
+        return asyncio.run(graph.ainvoke({"messages": [image_question(data, text)], "scratch": {}}, context=context))
 
     first = ask(png(0))
     assert pool.calls["vision"] == 1 and first["scratch"]["final"]["text"] == "a picture"
@@ -137,8 +137,8 @@ def test_swapping_an_expert_is_configuration_only(tmp_path, tiny_vlm_path, tiny_
     for name, spec in (("a", f"hf:{tiny_vlm_path}"), ("b", f"hf:{other}")):
         controller = asking_controller()
         pool = ExpertPool(config(tmp_path, spec, f"{name}.yaml"))
-        graph = build_orchestrator_graph(controller, experts=pool)
-        asyncio.run(graph.ainvoke({"messages": [image_question(png(0))], "scratch": {}}))
+        asyncio.run(graph.ainvoke({"messages": [image_question(png(0))], "scratch": {}},
+                                  context=OrchestratorContext(client=controller, experts=pool)))
         outputs[name] = (pool.client("vision").spec, pool.calls["vision"], controller.calls[0])
     assert outputs["a"][0] != outputs["b"][0] and outputs["a"][1] == outputs["b"][1] == 1
     assert outputs["a"][2] == outputs["b"][2]  # the controller saw exactly the same first prompt
@@ -150,9 +150,9 @@ def test_swapping_an_expert_is_configuration_only(tmp_path, tiny_vlm_path, tiny_
 def test_barge_in_cancels_speech_and_yields_the_turn(tmp_path):
     controller = ScriptedClient(lambda msgs: AssistantMessage(
         content="<speak>" + ("a long answer " * 20) + "</speak>" if "long" in msgs[-1].text else "<speak>ok</speak>"))
-    graph = build_orchestrator_graph(controller, experts=ExpertPool(config(tmp_path, "hf:unused")))
+    context = OrchestratorContext(client=controller, experts=ExpertPool(config(tmp_path, "hf:unused")))
     heard: list[bytes] = []
-    session = Session(graph, tts=ToneTTS(), player=Player(chunk_ms=10, sink=heard.append))
+    session = Session(graph, context, tts=ToneTTS(), player=Player(chunk_ms=10, sink=heard.append))
 
     async def run():
         await session.ask("tell me something long")

@@ -10,11 +10,12 @@ from langchain_core.tools import BaseTool, StructuredTool, ToolException
 from langchain_core.tools import tool as lc_tool
 from pydantic import BaseModel, Field
 
-from closedloop.graphs.react import build_react_graph
+from closedloop.graphs.react import graph
 from closedloop.langchain_tools import from_langchain_tool, model_from_schema, to_langchain_tool
 from closedloop.messages import AssistantMessage, ToolCall, UserMessage
 from closedloop.models.scripted import ScriptedClient
 from closedloop.plugins import tool_registry
+from closedloop.runtime import AgentContext
 from closedloop.tool import Tool, ToolRegistry
 
 
@@ -84,7 +85,8 @@ async def test_langchain_tools_in_the_react_graph():
     script = [AssistantMessage(tool_calls=[ToolCall.make("word_count", {"text": "one two"}),
                                            ToolCall.make("fail", {"reason": "x"})]), AssistantMessage(content="ok")]
     reg = ToolRegistry().extend([word_count, fail])
-    out = await build_react_graph(ScriptedClient(script), reg).ainvoke({"messages": [UserMessage(content="go")]})
+    out = await graph.ainvoke({"messages": [UserMessage(content="go")]},
+                              context=AgentContext(client=ScriptedClient(script), tools=reg))
     assert [r.content for r in out["tool_records"]][0] == "2"
     assert out["tool_records"][1].error_kind == "exception"
     assert out["messages"][-1].content == "ok"

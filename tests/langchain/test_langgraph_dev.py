@@ -1,7 +1,9 @@
 """Our graphs served by the LangGraph CLI's in-memory server (``langgraph dev``, from the repository's
-``langgraph.json``), driven with the LangGraph SDK client: model and tools chosen per run through
-the config, OpenAI-dict input read back as dicts, messages streamed, an approval interrupt in
-LangChain's HITL shape resumed with an edit. Skipped when ``langgraph-cli[inmem]`` is not installed."""
+``langgraph.json``), driven with the LangGraph SDK client: all six graphs listed with their run
+context's schema, model and tools chosen per run through the run context (or the config), an
+OpenAI-dict input read back in LangChain's form, messages streamed, an approval interrupt in
+LangChain's HITL shape resumed with an edit, a graph with its own context settings run from JSON.
+Skipped when ``langgraph-cli[inmem]`` is not installed."""
 
 from __future__ import annotations
 
@@ -63,16 +65,22 @@ async def test_served_react_with_the_sdk(server, tiny_model_path):
 
     url, log_path = server
     client = get_client(url=url)
-    graphs = {a["graph_id"] for a in await client.assistants.search()}
-    assert {"react", "clarifier"} <= graphs
-    config = {"configurable": {"model": f"hf:{tiny_model_path}", "tools": "arithmetic", "max_tokens": 48}}
+    assistants = {a["graph_id"]: a for a in await client.assistants.search()}
+    assert set(assistants) >= {"react", "clarifier", "factguard", "orchestrator", "kernel", "egg"}
+    for graph_id in ("react", "clarifier", "factguard", "orchestrator", "kernel", "egg"):
+        schemas = await client.assistants.get_schemas(assistants[graph_id]["assistant_id"])
+        properties = schemas["context_schema"]["properties"]
+        assert {"model", "tools", "params", "approve"} <= set(properties), graph_id
+    assert "threshold" in (await client.assistants.get_schemas(assistants["clarifier"]["assistant_id"]))[
+        "context_schema"]["properties"]
+    config = {"configurable": {"model": f"hf:{tiny_model_path}", "tools": "arithmetic", "params": {"temperature": 0, "max_tokens": 48}}}
 
     thread = await client.threads.create()
     out = await client.runs.wait(thread["thread_id"], "react", config=config,
                                  input={"messages": [{"role": "user", "content": "What is 3 plus 4?"}]})
     messages = out["messages"]
-    assert messages[0] == {"role": "user", "content": "What is 3 plus 4?"}  # read back in the caller's form
-    assert messages[-1]["role"] == "assistant" and len(out["turns"]) >= 1
+    assert messages[0]["type"] == "human" and messages[0]["content"] == "What is 3 plus 4?"  # LangChain's form
+    assert messages[-1]["type"] == "ai" and len(out["turns"]) >= 1
     assert out["turns"][0]["completion_ids"]  # the token-exact record travels with the state
 
     # streamed: the model's tokens as message chunks
@@ -86,6 +94,7 @@ async def test_served_react_with_the_sdk(server, tiny_model_path):
 
     # an approval pauses in LangChain's HITL shape and resumes with an edit
     assert any(m.get("tool_calls") for m in messages), "the tiny model answers this with a tool call"
+    assert out["turns"][0]["completion_ids"] == messages[1]["response_metadata"]["closedloop_turn"]["completion_ids"]
     thread3 = await client.threads.create()
     paused = await client.runs.wait(thread3["thread_id"], "react", config={
         "configurable": {**config["configurable"], "approve": True}},
@@ -101,3 +110,11 @@ async def test_served_react_with_the_sdk(server, tiny_model_path):
     assert name and "42.0" in done["tool_records"][0]["content"]
     assert "__interrupt__" in paused or state["next"] == ["tools"]
     assert "will be blocked" not in log_path.read_text()  # our types revive in the server's checkpointer
+
+    # a graph with settings of its own, chosen through the run context as JSON
+    thread4 = await client.threads.create()
+    clarified = await client.runs.wait(thread4["thread_id"], "clarifier", context={
+        "model": f"hf:{tiny_model_path}", "threshold": 0.0, "params": {"temperature": 0, "max_tokens": 24}},
+        input={"messages": [{"role": "user", "content": "I want to return something."}]})
+    assert clarified["scratch"]["decision"] in {"ask", "proceed"} and clarified["turns"], clarified
+    assert clarified["turns"][0]["purpose"] == "propose_goals"  # the policy proposed the candidate goals

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from closedloop.graphs.react import build_react_graph
+from closedloop.graphs.react import graph
 from closedloop.mcp_client import mcp_tools
 from closedloop.messages import AssistantMessage, ToolCall, UserMessage
 from closedloop.models.scripted import ScriptedClient
+from closedloop.runtime import AgentContext
 from closedloop.server.local import stop_process
 
 SERVER = str(Path(__file__).with_name("mcp_demo_server.py"))
@@ -33,7 +34,7 @@ async def _drive(tools) -> dict:
     assert set(t.name for t in tools) == {"divide", "unit_convert"}
     assert tools.get("unit_convert").parameters["required"] == ["value", "unit"]
     client = ScriptedClient(_script())
-    out = await build_react_graph(client, tools).ainvoke({"messages": [UserMessage(content="go")]})
+    out = await graph.ainvoke({"messages": [UserMessage(content="go")]}, context=AgentContext(client=client, tools=tools))
     return {r.arguments: r for r in out["tool_records"]}, client
 
 

@@ -11,10 +11,12 @@ import time
 
 import pytest
 
-from closedloop.graphs.react import build_react_graph
+from closedloop.graphs.react import graph
 from closedloop.messages import AssistantMessage, ToolCall, UserMessage
 from closedloop.models.scripted import ScriptedClient
 from closedloop.plugins import tool_registry
+from closedloop.runtime import AgentContext
+from closedloop.runtime.convert import role_of
 from closedloop.runtime.execute import run_graph
 from closedloop.runtime.recording import StoreRecorder
 from closedloop.store import RunNotFoundError, RunStateError, RunStore
@@ -27,16 +29,17 @@ from .test_trajectories import _count_connections
 async def test_graph_run_records_through_the_queue_without_opening_the_file(store: RunStore):
     client = ScriptedClient([AssistantMessage(tool_calls=[ToolCall.make("add", {"a": 3, "b": 4})]),
                              AssistantMessage(content="7")])
-    graph = build_react_graph(client, tool_registry(["arithmetic"]), max_turns=4)
+    context = AgentContext(client=client, tools=tool_registry(["arithmetic"]), max_turns=4)
     rid = store.start_run(kind="run", graph="react")
     opened: list[int] = []
     with _count_connections(store, opened):
-        result = await run_graph(graph, {"messages": [UserMessage(content="3+4?")]}, recorder=StoreRecorder(store, rid))
+        result = await run_graph(graph, {"messages": [UserMessage(content="3+4?")]}, context=context,
+                                 recorder=StoreRecorder(store, rid))
     assert threading.get_ident() not in opened  # the event loop's thread never opened the DuckDB file
     store.finish_run(rid, outcome={"answer": "7"})
     rec = store.get_run(rid)
     assert [m.role for m in rec.messages] == ["user", "assistant", "tool", "assistant"]
-    assert [m.role for m in rec.messages] == [m.role for m in result.state["messages"]]
+    assert [m.role for m in rec.messages] == [role_of(m) for m in result.state["messages"]]
     assert len(rec.turns) == 2 and rec.turns[1].message.text == "7"
     [tc] = rec.tool_calls
     assert (tc.name, tc.turn_idx, tc.result) == ("add", 0, "7.0")

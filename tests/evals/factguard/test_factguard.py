@@ -12,9 +12,10 @@ from closedloop.agents.factguard import DecisionReward, parse_verdict
 from closedloop.evals.factguard.data import binary_metrics, load_samples, temporal_split
 from closedloop.evals.factguard.env import FactGuardEnv
 from closedloop.evals.factguard.synthetic import make_synthetic
-from closedloop.graphs.factguard import build_factguard_graph
+from closedloop.graphs.factguard import FactGuardContext, graph
 from closedloop.messages import AssistantMessage, ImagePart, ToolCall, ToolMessage, UserMessage
 from closedloop.models.scripted import ScriptedClient
+from closedloop.runtime.convert import as_closedloop, role_of
 from closedloop.tool import ToolRegistry
 from closedloop.tools.clipscout import make_clipscout_tool
 from closedloop.tools.factprobe import LocalCorpus, make_factprobe_tool
@@ -198,25 +199,26 @@ def test_graph_two_stages_tools_only_in_stage_one(data, tmp_path):
         AssistantMessage(content="<think>ambiguous</think>", tool_calls=[
             ToolCall.make("factprobe", {"query": s.claim}), ToolCall.make("clipscout", {"start": 0, "end": 1})]),
         AssistantMessage(content="<think>the report settles it</think><answer>fake</answer>")])
-    graph = build_factguard_graph(client, tools)
-    out = asyncio.run(graph.ainvoke({"messages": [UserMessage(content=s.metadata)]}))
-    roles = [m.role for m in out["messages"]]
+    out = asyncio.run(graph.ainvoke({"messages": [UserMessage(content=s.metadata)]},
+                                    context=FactGuardContext(client=client, tools=tools)))
+    roles = [role_of(m) for m in out["messages"]]
     assert roles == ["user", "assistant", "tool", "tool", "user", "user", "assistant"]  # grid, then stage 2
     assert client.offered == [["factprobe", "clipscout"], []]
-    assert isinstance(out["messages"][4].content[1], ImagePart)
+    assert isinstance(as_closedloop(out["messages"])[4].content[1], ImagePart)
     assert len(out["turns"]) == 2 and parse_verdict(out["messages"][-1].text).label == "fake"
 
 
 def test_graph_answers_directly_and_text_models_get_no_image(data, tmp_path):
     s, tools = sample_tools(data, tmp_path)
     direct = RecordingClient([AssistantMessage(content="<think>clear</think><answer>real</answer>")])
-    out = asyncio.run(build_factguard_graph(direct, tools).ainvoke({"messages": [UserMessage(content="x")]}))
-    assert [m.role for m in out["messages"]] == ["user", "assistant"] and len(direct.offered) == 1
+    out = asyncio.run(graph.ainvoke({"messages": [UserMessage(content="x")]},
+                                    context=FactGuardContext(client=direct, tools=tools)))
+    assert [role_of(m) for m in out["messages"]] == ["user", "assistant"] and len(direct.offered) == 1
     client = RecordingClient([
         AssistantMessage(content="", tool_calls=[ToolCall.make("clipscout", {"start": 0, "end": 1})]),
         AssistantMessage(content="<think>y</think><answer>real</answer>")])
-    out = asyncio.run(build_factguard_graph(client, tools, attach_frames=False).ainvoke(
-        {"messages": [UserMessage(content="x")]}))
+    out = asyncio.run(graph.ainvoke({"messages": [UserMessage(content="x")]},
+                                    context=FactGuardContext(client=client, tools=tools, attach_frames=False)))
     assert not any(isinstance(m.content, list) for m in out["messages"])
 
 
@@ -224,11 +226,11 @@ def test_policy_mode_runs_the_stage_the_conversation_is_in(data, tmp_path):
     s, tools = sample_tools(data, tmp_path)
     client = RecordingClient([AssistantMessage(content="", tool_calls=[ToolCall.make("factprobe", {"query": "q"})]),
                               AssistantMessage(content="<think>z</think><answer>real</answer>")])
-    graph = build_factguard_graph(client, tools, execute_tools=False)
-    first = asyncio.run(graph.ainvoke({"messages": [UserMessage(content="x")]}))
+    context = FactGuardContext(client=client, tools=tools, execute_tools=False)
+    first = asyncio.run(graph.ainvoke({"messages": [UserMessage(content="x")]}, context=context))
     assert first["messages"][-1].tool_calls and client.offered[-1] == ["factprobe", "clipscout"]
     convo = first["messages"] + [ToolMessage(content="report", tool_call_id="c1"), UserMessage(content="answer now")]
-    second = asyncio.run(graph.ainvoke({"messages": convo}))
+    second = asyncio.run(graph.ainvoke({"messages": convo}, context=context))
     assert client.offered[-1] == [] and parse_verdict(second["messages"][-1].text).label == "real"
 
 
@@ -241,9 +243,9 @@ def test_tiny_vlm_runs_the_graph_and_sees_the_video(data, tiny_vlm_path, tmp_pat
 
     async def run():
         msgs, info = await env.areset(0)
-        graph = build_factguard_graph(client, env.registry, execute_tools=False,
-                                      params=SamplingParams(temperature=0, max_tokens=16))
-        out = await graph.ainvoke({"messages": msgs})
+        context = FactGuardContext(client=client, tools=env.registry, execute_tools=False,
+                                   params=SamplingParams(temperature=0, max_tokens=16))
+        out = await graph.ainvoke({"messages": msgs}, context=context)
         return out
 
     out = asyncio.run(run())
