@@ -163,7 +163,8 @@ def policy_logits(model: Any, ids: torch.Tensor, attn: torch.Tensor, mask: torch
 
 def _keeps_masked_logits(model: Any) -> bool:
     target = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft passes kwargs on
-    return _forward_keeps_masked_logits(type(target))
+    cls: Any = type(target)
+    return _forward_keeps_masked_logits(cls)
 
 
 @functools.lru_cache(maxsize=None)
