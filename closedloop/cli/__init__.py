@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["run", "graphs", "serve", "model", "runs", "eval", "train", "demo", "tool", "mcp"]
+COMMANDS = ["run", "graphs", "serve", "model", "runs", "eval", "train", "demo", "recipe", "tool", "mcp"]
 
 
 def build_parser() -> argparse.ArgumentParser:
