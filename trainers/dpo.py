@@ -1,7 +1,7 @@
 """Direct Preference Optimization (sigmoid, hinge, IPO), and the loop the constrained variant shares.
 
 One step consumes ``per_device_batch_size × gradient_accumulation_steps × processes`` pairs from the
-seeded stream of :class:`closedloop.trainers.sft.DataSchedule`; chosen and rejected sequences go
+seeded stream of :class:`closedloop.trainers.data.DataSchedule`; chosen and rejected sequences go
 through the policy in one ``[2B, T]`` forward pass (TRL's layout), their completion log-probs are
 summed, and the per-pair losses of :mod:`.preference_loss` are averaged over the whole global
 batch (so one step is the same however the batch is split over micro-batches and processes).
@@ -9,7 +9,8 @@ batch (so one step is the same however the batch is split over micro-batches and
 The reference log-probs come, in order, from the data (``ref_chosen_logps``/``ref_rejected_logps``
 on every row), from ``ref_model``, or from a frozen copy of the starting policy (with LoRA: the
 policy with its adapter disabled, as TRL). ``precompute_ref_log_probs`` scores every pair once
-before training and frees the reference model.
+before training and frees the reference model. The optimizer step, checkpoints, Ctrl-C and
+metrics are :class:`~closedloop.trainers.session.TrainingSession`'s.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ position (``samples_seen``), so a resumed run sees exactly the examples the unin
 
 Ctrl-C: the first SIGINT finishes the current step, saves ``checkpoint-<step>`` and returns with
 ``interrupted=True`` (``closedloop train`` then exits 130); ``resume: auto`` continues from it.
+
+The step itself (accumulation with DDP ``no_sync``, autocast, clipping, the divergence stop, the
+schedule), seeding, checkpoints, resume and metrics are :class:`~closedloop.trainers.session.TrainingSession`'s,
+as for every trainer; this module is the data and the loss.
 """
 
 from __future__ import annotations

@@ -163,17 +163,13 @@ def recipe_params(recipe: Recipe, overrides: Mapping[str, Any] | None = None, *,
 def split_overrides(items: list[str], recipe: Recipe) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """``--set`` items as (param values, per-stage config overrides): ``NAME=VALUE`` sets a param,
     ``STAGE.KEY.SUB=VALUE`` a key of that stage's config. Values are parsed as YAML."""
-    import yaml
+    from closedloop.trainers.config import parse_override
 
     params: dict[str, Any] = {}
     stages: dict[str, dict[str, Any]] = {}
     names = {s.name for s in recipe.stages}
     for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise RecipeError(f"--set {item!r}: expected NAME=VALUE")
-        key = key.strip()
-        value = yaml.safe_load(raw) if raw.strip() else None
+        key, value = parse_override(item, RecipeError)
         head, dot, rest = key.partition(".")
         if not dot:
             params[key] = value

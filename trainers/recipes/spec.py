@@ -33,8 +33,9 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+
+from closedloop.trainers.config import read_yaml_mapping
 
 STAGE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
@@ -101,14 +102,7 @@ class Recipe(_Strict):
 
 def load_recipe_file(path: str | Path) -> Recipe:
     p = Path(path)
-    if not p.is_file():
-        raise RecipeError(f"recipe file {p} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise RecipeError(f"recipe file {p} is not valid YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise RecipeError(f"recipe file {p} must hold a mapping (name, params, stages), got {type(data).__name__}")
+    data = read_yaml_mapping(p, "recipe file", RecipeError)
     try:
         recipe = Recipe.model_validate({**data, "source": str(p.resolve())})
     except ValidationError as e:
