@@ -120,6 +120,24 @@ def load_recipe(ref: str | Path | Recipe) -> Recipe:
     return obj if isinstance(obj, Recipe) else load_recipe_file(obj)
 
 
+def _module_from_file(path: Path, kind: str) -> Any:
+    """The module of a ``file.py`` stage kind, executed once per file and process."""
+    name = "closedloop_recipe_" + hashlib.sha256(str(path).encode()).hexdigest()[:12] + "_" + path.stem
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None or not path.is_file():
+        raise RecipeError(f"stage kind {kind!r}: no file {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 def _stage_kind(kind: str, recipe: Recipe) -> StageKind[Any]:
     target = BUILTIN_STAGES.get(kind, kind)
     module_name, sep, attr = target.rpartition(":")
@@ -127,13 +145,7 @@ def _stage_kind(kind: str, recipe: Recipe) -> StageKind[Any]:
         raise RecipeError(f"stage kind {kind!r}: not one of {sorted(BUILTIN_STAGES)}, nor module:attr or file.py:attr")
     try:
         if module_name.endswith(".py"):
-            path = (recipe.folder / module_name).resolve()
-            spec = importlib.util.spec_from_file_location(f"closedloop_recipe_{path.stem}", path)
-            if spec is None or spec.loader is None or not path.is_file():
-                raise RecipeError(f"stage kind {kind!r}: no file {path}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
+            module = _module_from_file((recipe.folder / module_name).resolve(), kind)
         else:
             module = importlib.import_module(module_name)
         obj = getattr(module, attr)
