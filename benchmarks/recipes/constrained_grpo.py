@@ -58,6 +58,7 @@ def _train_means(history: list[dict[str, float]], window: int, cost: str) -> dic
 
 def _report(config: Report, ctx: StageContext) -> dict[str, Any]:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     cost_key = f"cost/{config.cost.replace(':', '_')}"
@@ -74,7 +75,7 @@ def _report(config: Report, ctx: StageContext) -> dict[str, Any]:
                      "eval": held_out(ctx.outputs[f"eval-{arm}"]["summaries"][arm]),
                      "history": [{k: h[k] for k in h if k in ("step", "reward", "turns_mean", "rewards/success")
                                   or k.startswith("constraint/")} for h in grpo["history"]]})
-    table = Table(title=config.title)
+    table = Table(title=escape(config.title))  # E[turns] is text, not a rich style
     for col in ("run", f"train {config.cost} (last {config.window})", "train reward", "lambda", f"eval {config.cost}",
                 "eval reward", "eval success [95% CI]"):
         table.add_column(col, justify="left" if col == "run" else "right")
@@ -88,8 +89,8 @@ def _report(config: Report, ctx: StageContext) -> dict[str, Any]:
     console.print(table)
     for r in runs:
         verdict = "meets" if r["eval"]["cost"] <= config.budget else "violates"
-        console.print(f"{r['name']}: held-out E[{config.cost}] = {r['eval']['cost']:.3f} ({verdict} the budget); "
-                      f"training (sampled, last {config.window} steps) {r['train_cost']:.3f}")
+        console.print(escape(f"{r['name']}: held-out E[{config.cost}] = {r['eval']['cost']:.3f} ({verdict} the "
+                             f"budget); training (sampled, last {config.window} steps) {r['train_cost']:.3f}"))
     Path(config.results).write_text(json.dumps({"params": config.params, "base": base, "runs": runs}, indent=1))
     return {"results": config.results}
 
