@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_clarify_ig import TINY_TASK  # noqa: E402
+from recipes.clarify_ig import TINY_TASK  # noqa: E402
 
 from closedloop.evals.envs import make_env  # noqa: E402
 from closedloop.models.base import SamplingParams  # noqa: E402

@@ -57,6 +57,7 @@ def _group_index(n: int, group_ids: Sequence[Hashable] | torch.Tensor | None, gr
         if group_size < 1 or n % group_size:
             raise ValueError(f"{n} rewards cannot be split into groups of {group_size}")
         return torch.arange(n) // group_size
+    assert group_ids is not None  # exactly one of the two is given (checked above)
     ids = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
     if len(ids) != n:
         raise ValueError(f"group_ids has {len(ids)} entries for {n} rewards")

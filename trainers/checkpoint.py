@@ -133,7 +133,7 @@ def merged_state_dict(peft_model: Any) -> dict[str, Any]:
             delta = None
             for adapter in module.active_adapters:
                 if adapter in module.lora_A or adapter in getattr(module, "lora_embedding_A", {}):
-                    d = module.get_delta_weight(adapter)
+                    d = module.get_delta_weight(adapter)  # type: ignore[attr-defined]  # on every concrete LoRA layer
                     delta = d if delta is None else delta + d
             if delta is not None:
                 deltas[name] = delta

@@ -18,8 +18,9 @@ from typing import Any
 
 from closedloop.trainers.config import TrainConfig
 
-__all__ = ["make_accelerator", "load_model_and_tokenizer", "apply_lora", "build_optimizer", "build_scheduler",
-           "open_run", "pad_token_id", "TrainingDivergedError", "stop_if_diverged", "steps_logged"]
+__all__ = ["make_accelerator", "load_model_and_tokenizer", "load_tokenizer", "apply_lora", "build_optimizer",
+           "build_scheduler", "open_run", "pad_token_id", "TrainingDivergedError", "stop_if_diverged", "steps_logged",
+           "world_size"]
 
 
 class TrainingDivergedError(RuntimeError):
@@ -55,6 +56,14 @@ def steps_logged(store: Any, run_id: str | None) -> int:
         return 0
     return max((int(row["step"]) for row in store.metrics(run_id)), default=0)
 
+
+def world_size() -> int:
+    """The number of training processes, known before the accelerator exists (``WORLD_SIZE``, set by
+    ``torchrun`` and ``accelerate launch``): a loop needs it to size the global batch, hence the
+    schedule, before the session builds the optimizer."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -70,16 +79,15 @@ def make_accelerator(config: TrainConfig) -> Any:
         torch.set_num_threads(config.torch_threads)
     # The accelerator state is a process-wide singleton; a second single-process training in the
     # same Python process (tests, notebooks) with another precision must be allowed to reset it.
-    if AcceleratorState._shared_state and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if AcceleratorState._shared_state and world_size() == 1:
         if str(AcceleratorState().mixed_precision) != config.mixed_precision:
             AcceleratorState._reset_state(reset_partial_state=True)
     import torch
 
     # accelerate runs several CPU processes (gloo) only when told the job is on CPU; under
     # torchrun without an accelerator device, say so, or every rank would train alone.
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or \
-        (world > 1 and not torch.cuda.is_available())
+        (world_size() > 1 and not torch.cuda.is_available())
     return Accelerator(mixed_precision=config.mixed_precision, cpu=cpu)
 
 
@@ -90,23 +98,32 @@ def pad_token_id(tokenizer: Any) -> int:
     raise ValueError("the tokenizer has neither a pad nor an eos token")
 
 
+def load_tokenizer(config: TrainConfig, tokenizer: Any = None) -> Any:
+    """``config.model``'s tokenizer (or ``tokenizer``), which must have a chat template: every
+    trainer renders conversations with it."""
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"the tokenizer of {config.model!r} has no chat template; SFT on conversations needs one")
+    return tokenizer
+
+
 def load_model_and_tokenizer(config: TrainConfig, model: Any = None, tokenizer: Any = None) -> tuple[Any, Any]:
     """The model (in ``config.dtype``, training mode, gradient checkpointing, LoRA if configured)
     and its tokenizer; a given ``model``/``tokenizer`` is used as is (LoRA still applied)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = config.model_path
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(config, tokenizer)
     if model is None:
         dtype: Any = "auto" if config.dtype == "auto" else getattr(torch, _DTYPES[config.dtype])
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         except OSError as e:
             raise ValueError(f"cannot load model {config.model!r}: {e}") from e
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"the tokenizer of {config.model!r} has no chat template; SFT on conversations needs one")
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -133,7 +150,8 @@ def build_optimizer(model: Any, config: TrainConfig) -> Any:
     weights, i.e. 1-D parameters, as transformers' Trainer)."""
     import torch
 
-    decay, no_decay = [], []
+    decay: list[Any] = []
+    no_decay: list[Any] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)

@@ -19,7 +19,7 @@ from closedloop.trainers import preflight
 
 __all__ = ["ConfigError", "LoraSettings", "TrainConfig", "SFTConfig", "StoreSelection", "load_config",
            "model_path", "REPORT_TO_CHOICES", "config_reference", "parse_store_spec", "check_dataset", "checking_paths", "dataset_usable",
-           "redacted_config"]
+           "redacted_config", "read_yaml_mapping", "parse_override"]
 
 REPORT_TO_CHOICES = ("store", "tensorboard", "trackio", "wandb")
 
@@ -397,6 +397,41 @@ def _format_validation(err: ValidationError, cls: type[BaseModel]) -> str:
     return f"invalid {cls.__name__}:\n" + "\n".join("  " + line for line in lines)
 
 
+def read_yaml_mapping(path: str | os.PathLike[str], what: str = "config file",
+                      error: type[ValueError] = ConfigError) -> dict[str, Any]:
+    """The mapping a YAML file holds (empty file: ``{}``); ``error`` naming the file when it is
+    missing, not YAML, or not a mapping."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{what} {p} does not exist")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise error(f"{what} {p} is not valid YAML: {e}") from e
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise error(f"{what} {p} must hold a mapping of keys to values, got {type(loaded).__name__}")
+    return loaded
+
+
+def parse_override(item: str, error: type[ValueError] = ConfigError) -> tuple[str, Any]:
+    """``--set KEY=VALUE`` as ``(KEY, VALUE)``, the value parsed as YAML (``3`` an int, ``[a, b]`` a
+    list, ``null`` None; text that is not YAML stays text; nothing after ``=`` is None)."""
+    import yaml
+
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise error(f"--set {item!r}: expected key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
 def load_config(cls: type[C], path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None,
                 *, check_paths: bool = False, **values: Any) -> C:
     """A config from a YAML file, then ``key=value`` overrides, then keyword values.
@@ -407,32 +442,14 @@ def load_config(cls: type[C], path: str | os.PathLike[str] | None = None, overri
     ``check_paths``: also check that the model, output directory, checkpoint, store, dataset and
     metric sinks are usable (:mod:`closedloop.trainers.preflight`), as ``closedloop train`` does.
     """
-    import yaml
-
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of keys to values, got {type(loaded).__name__}")
-        _check_keys(cls, loaded, str(p))
+        loaded = read_yaml_mapping(path)
+        _check_keys(cls, loaded, str(path))
         data.update(loaded)
     for item in overrides or []:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {item!r}: expected key=value")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
-        _set_dotted(data, cls, key.strip(), value)
+        key, value = parse_override(item)
+        _set_dotted(data, cls, key, value)
     for key, value in values.items():
         _set_dotted(data, cls, key, value)
     try:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 __all__ = ["Example", "TemplateError", "encode_conversation", "assistant_mask", "examples_from_rows",
-           "examples_from_trajectories", "load_chat_rows", "load_store_trajectories", "pack_examples",
+           "examples_from_trajectories", "load_chat_rows", "DataSchedule", "load_store_trajectories", "pack_examples",
            "collate", "Batch", "end_of_turn_ids"]
 
 
@@ -133,6 +133,7 @@ def assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], tools: list[d
                 raise TemplateError(f"assistant message {k} renders shorter than its prompt; the template is not "
                                     "prefix-stable")
             end = len(upto)
+        assert end is not None  # found an end-of-turn token, or rendered messages[:k+1]
         for i in range(start, end):
             mask[i] = 1
     return mask
@@ -408,6 +409,35 @@ def split_eval(examples: list[Example], fraction: float, seed: int) -> tuple[lis
     return [e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held]
 
 
+class DataSchedule:
+    """The seeded example stream of a trainer that walks a dataset (SFT, DPO): epoch ``e`` is a
+    permutation seeded by ``seed + e``, examples form one stream across epochs, and a step takes the
+    next global batch of stream positions. The checkpoint records the position, so a resumed run
+    sees exactly the examples the uninterrupted run would."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True) -> None:
+        if n <= 0:
+            raise ValueError("no training examples")
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        import torch
+
+        if epoch not in self._perms:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + epoch)
+                self._perms[epoch] = torch.randperm(self.n, generator=g).tolist()
+            else:
+                self._perms[epoch] = list(range(self.n))
+            self._perms.pop(epoch - 2, None)
+        return self._perms[epoch]
+
+    def take(self, start: int, count: int) -> list[int]:
+        """Example indices at stream positions ``[start, start + count)``."""
+        return [self._perm(i // self.n)[i % self.n] for i in range(start, start + count)]
+
+
 # --------------------------------------------------------------------------- collation
 
 
@@ -451,8 +481,7 @@ def collate(examples: Sequence[Example], pad_id: int, pad_to_multiple_of: int | 
         width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
-    attn = None if packed else torch.zeros((len(examples), width), dtype=torch.long)
-    pos = torch.zeros((len(examples), width), dtype=torch.long) if packed else None
+    filled = torch.zeros((len(examples), width), dtype=torch.long)  # position ids (packed), else the attention mask
     n_tokens = 0
     for r, e in enumerate(examples):
         n = len(e)
@@ -461,12 +490,13 @@ def collate(examples: Sequence[Example], pad_id: int, pad_to_multiple_of: int | 
         if packed:
             if e.position_ids is None:
                 raise ValueError("collate: cannot mix packed and unpacked examples")
-            pos[r, :n] = torch.tensor(e.position_ids)
+            filled[r, :n] = torch.tensor(e.position_ids)
             if width > n:
-                pos[r, n:] = torch.arange(width - n)
+                filled[r, n:] = torch.arange(width - n)
             n_tokens += n - e.n_pad
         else:
-            attn[r, :n] = 1
+            filled[r, :n] = 1
             n_tokens += n
-    return Batch(ids, mask, attn, pos, n_tokens=n_tokens, n_trained=int(mask[:, 1:].sum()))
+    return Batch(ids, mask, None if packed else filled, filled if packed else None, n_tokens=n_tokens,
+                 n_trained=int(mask[:, 1:].sum()))
 

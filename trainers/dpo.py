@@ -1,7 +1,7 @@
 """Direct Preference Optimization (sigmoid, hinge, IPO), and the loop the constrained variant shares.
 
 One step consumes ``per_device_batch_size × gradient_accumulation_steps × processes`` pairs from the
-seeded stream of :class:`closedloop.trainers.sft.DataSchedule`; chosen and rejected sequences go
+seeded stream of :class:`closedloop.trainers.data.DataSchedule`; chosen and rejected sequences go
 through the policy in one ``[2B, T]`` forward pass (TRL's layout), their completion log-probs are
 summed, and the per-pair losses of :mod:`.preference_loss` are averaged over the whole global
 batch (so one step is the same however the batch is split over micro-batches and processes).
@@ -9,7 +9,8 @@ batch (so one step is the same however the batch is split over micro-batches and
 The reference log-probs come, in order, from the data (``ref_chosen_logps``/``ref_rejected_logps``
 on every row), from ``ref_model``, or from a frozen copy of the starting policy (with LoRA: the
 policy with its adapter disabled, as TRL). ``precompute_ref_log_probs`` scores every pair once
-before training and frees the reference model.
+before training and frees the reference model. The optimizer step, checkpoints, Ctrl-C and
+metrics are :class:`~closedloop.trainers.session.TrainingSession`'s.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ from typing import Any, Callable, Iterable, Literal, Mapping
 import torch
 from pydantic import Field, ValidationInfo, field_validator
 
+from closedloop.trainers.common import load_tokenizer, pad_token_id, world_size
 from closedloop.trainers.config import TrainConfig, checking_paths, dataset_usable, model_path
+from closedloop.trainers.data import DataSchedule
 from closedloop.trainers.preference_data import (PreferenceBatch, PreferenceExample, PreferenceStoreSelection,
                                                  collate_pairs, encode_preference_rows, load_preference_rows,
                                                  parse_preference_store_spec, store_preference_rows)
 from closedloop.trainers.preference_loss import dpo_losses, preference_metrics
 from closedloop.trainers.preflight import check_model_dir
+from closedloop.trainers.session import TrainingSession, local_micro_batches
 
 __all__ = ["CONFIG_CLASS", "PreferenceConfig", "DPOConfig", "PreferenceResult", "train_dpo", "train_preference",
            "run_from_config", "build_pairs", "pair_logps", "policy_margins"]
@@ -212,118 +216,96 @@ def train_preference(config: PreferenceConfig, rows: Iterable[dict[str, Any]] | 
                      tokenizer: Any = None, kind: str = "dpo",
                      on_step: Callable[[int, dict[str, float]], None] | None = None) -> PreferenceResult:
     """Train on preference pairs with ``config.pair_losses`` (DPO or the constrained variant)."""
-    from closedloop.trainers.checkpoint import InterruptGuard
-    from closedloop.trainers.common import pad_token_id
-    from closedloop.trainers.session import TrainingSession
-    from closedloop.trainers.sft import DataSchedule
-
     config.check_paths(model_given=model is not None and tokenizer is not None)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    tokenizer = load_tokenizer(config, tokenizer)
     pairs = build_pairs(config, tokenizer, rows)
     if not pairs:
         raise ValueError("no preference pairs to train on")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    global_batch = config.per_device_batch_size * config.gradient_accumulation_steps * world
+    world = world_size()
+    per_dev, accum = config.per_device_batch_size, config.gradient_accumulation_steps
+    global_batch = per_dev * accum * world
     total = config.max_steps or max(1, math.ceil(config.num_epochs * len(pairs) / global_batch))
-    config = config.model_copy(update={"max_steps": total})
-    session = TrainingSession(config, kind=kind, model=model, tokenizer=tokenizer)
-    accel, policy = session.accelerator, session.model
-    if accel.num_processes != world:
-        raise RuntimeError(f"WORLD_SIZE={world} but accelerate runs {accel.num_processes} processes")
-    unwrapped = accel.unwrap_model(policy)
-    if config.disable_dropout:
-        _disable_dropout(unwrapped)
-    device = accel.device
-    pad_id = pad_token_id(session.tokenizer)
-    rank, per_dev, accum = accel.process_index, config.per_device_batch_size, config.gradient_accumulation_steps
+    schedule = DataSchedule(len(pairs), config.seed, config.shuffle)
+    history: list[dict[str, float]] = []
+    metrics: dict[str, float] = {}
+    with TrainingSession(config, kind=kind, model=model, tokenizer=tokenizer, total_steps=total) as session:
+        accel, policy = session.accelerator, session.model
+        if config.disable_dropout:
+            _disable_dropout(session.unwrapped_model)
+        device, pad_id = accel.device, pad_token_id(session.tokenizer)
+        score_ref = _reference_scorer(config, pairs, session, pad_id)
+        policy.train()
+        for step in range(session.start_step + 1, total + 1):
+            t0 = time.perf_counter()
+            sums: dict[str, float] = {}
+            n_tokens = 0
 
+            def loss_fn(micro: list[int]) -> torch.Tensor:
+                nonlocal n_tokens
+                batch = collate_pairs([pairs[i] for i in micro], pad_id, config.max_length,
+                                      padding_side="left").to(device)
+                n_tokens += batch.n_tokens
+                logps, lengths = pair_logps(policy, batch)
+                ref_logps = score_ref(batch).to(logps.dtype)
+                losses = config.pair_losses(logps, ref_logps, lengths)
+                c, r = logps.detach().chunk(2)
+                rc, rr = ref_logps.chunk(2)
+                lc, lr = lengths.chunk(2)
+                m = preference_metrics(c, r, rc, rr, beta=config.beta, chosen_lengths=lc, rejected_lengths=lr,
+                                       length_normalize=config.length_normalize)
+                m["loss"] = losses.detach().sum()
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                return losses.sum() / global_batch * world  # the mean over the global batch; × world undoes DDP's mean
+
+            idx = schedule.take((step - 1) * global_batch, global_batch)
+            result = session.train_step(step, local_micro_batches(idx, per_device=per_dev, accumulation=accum,
+                                                                  world=world, rank=accel.process_index), loss_fn)
+            if world > 1:
+                keys = sorted(sums)
+                tot = accel.reduce(torch.tensor([sums[k] for k in keys] + [float(n_tokens)], device=device,
+                                                dtype=torch.float64), reduction="sum")
+                sums, n_tokens = {k: float(v) for k, v in zip(keys, tot[:-1])}, int(tot[-1])
+            elapsed = time.perf_counter() - t0
+            metrics = {k: v / global_batch for k, v in sums.items()}
+            metrics.update({"grad_norm": result.grad_norm, "learning_rate": result.learning_rate, "step_s": elapsed,
+                            "tokens_per_s": n_tokens / max(elapsed, 1e-9), "epoch": step * global_batch / len(pairs)})
+            history.append({"step": step, **metrics})
+            session.log(step, metrics if session.logging_step(step) else {})
+            if on_step is not None:
+                on_step(step, metrics)
+            if session.end_step(step):
+                break
+        if not session.interrupted:
+            session.save_final()
+    return PreferenceResult(Path(config.output_dir), session.run_id, session.state.step, metrics, history,
+                            session.interrupted, n_pairs=len(pairs))
+
+
+def _reference_scorer(config: PreferenceConfig, pairs: list[PreferenceExample], session: TrainingSession,
+                      pad_id: int) -> Callable[[PreferenceBatch], torch.Tensor]:
+    """The reference log-probs of a batch ``[2B]``: from the rows, or scored by the reference (once
+    before training with ``precompute_ref_log_probs``, which fills the rows and frees it)."""
     have_refs = all(p.ref_chosen_logps is not None for p in pairs)
     if not have_refs and any(p.ref_chosen_logps is not None for p in pairs):
         raise ValueError("some rows carry ref_chosen_logps/ref_rejected_logps and others do not; give them on "
                          "every row or on none")
-    ref, ref_ctx = (None, nullcontext) if have_refs else _reference(config, unwrapped, session.start_step > 0,
-                                                                    device)
-    if not have_refs and config.precompute_ref_log_probs:
-        for i in range(0, len(pairs), per_dev):
-            chunk = pairs[i:i + per_dev]
-            lp = _ref_logps(ref, policy, ref_ctx, collate_pairs(chunk, pad_id, config.max_length,
-                                                               padding_side="left").to(device))
-            for p, c, r in zip(chunk, *lp.float().cpu().chunk(2)):
-                p.ref_chosen_logps, p.ref_rejected_logps = float(c), float(r)
-        ref, ref_ctx, have_refs = None, nullcontext, True
-
-    schedule = DataSchedule(len(pairs), config.seed, config.shuffle)
-    history: list[dict[str, float]] = []
-    metrics: dict[str, float] = {}
-    status, interrupted = "failed", False
-    error: Exception | None = None
-    try:
-        with InterruptGuard() as guard:
-            policy.train()
-            for step in range(session.start_step, total):
-                t0 = time.perf_counter()
-                idx = schedule.take(step * global_batch, global_batch)
-                sums: dict[str, float] = {}
-                n_tokens = 0
-                for a in range(accum):
-                    mine = idx[(a * world + rank) * per_dev:(a * world + rank + 1) * per_dev]
-                    batch = collate_pairs([pairs[i] for i in mine], pad_id, config.max_length,
-                                          padding_side="left").to(device)
-                    n_tokens += batch.n_tokens
-                    sync = a == accum - 1
-                    with (accel.no_sync(policy) if not sync and world > 1 else nullcontext()), accel.autocast():
-                        logps, lengths = pair_logps(policy, batch)
-                        ref_logps = batch.ref_logps if have_refs else _ref_logps(ref, policy, ref_ctx, batch)
-                        losses = config.pair_losses(logps, ref_logps.to(logps.dtype), lengths)
-                        loss = losses.sum() / global_batch
-                    accel.backward(loss * world)
-                    c, r = logps.detach().chunk(2)
-                    rc, rr = ref_logps.to(logps.dtype).chunk(2)
-                    lc, lr = lengths.chunk(2)
-                    m = preference_metrics(c, r, rc, rr, beta=config.beta, chosen_lengths=lc, rejected_lengths=lr,
-                                           length_normalize=config.length_normalize)
-                    m["loss"] = losses.detach().sum()
-                    for k, v in m.items():
-                        sums[k] = sums.get(k, 0.0) + float(v)
-                if world > 1:
-                    keys = sorted(sums)
-                    tot = accel.reduce(torch.tensor([sums[k] for k in keys] + [float(n_tokens)], device=device,
-                                                    dtype=torch.float64), reduction="sum")
-                    sums, n_tokens = {k: float(v) for k, v in zip(keys, tot[:-1])}, int(tot[-1])
-                grad_norm = session.clip_gradients(step + 1, loss=sums.get("loss", 0.0))
-                lr_now = session.current_lr()
-                session.optimizer.step()
-                session.scheduler.step()
-                session.optimizer.zero_grad(set_to_none=True)
-                elapsed = time.perf_counter() - t0
-                metrics = {k: v / global_batch for k, v in sums.items()}
-                metrics.update({"grad_norm": grad_norm, "learning_rate": lr_now, "step_s": elapsed,
-                                "tokens_per_s": n_tokens / max(elapsed, 1e-9),
-                                "epoch": (step + 1) * global_batch / len(pairs)})
-                history.append({"step": step + 1, **metrics})
-                session.log(step + 1, metrics)
-                if on_step is not None:
-                    on_step(step + 1, metrics)
-                session.maybe_save(step + 1)
-                if guard.should_stop(accel):
-                    session.save(step + 1, interrupted=True)
-                    interrupted = True
-                    break
-        if not interrupted:
-            session.save_final()
-        status = "interrupted" if interrupted else "completed"
-    except Exception as e:
-        error = e
-        raise
-    finally:
-        session.finish(status, error=error)
-    return PreferenceResult(Path(config.output_dir), session.run_id, session.step, metrics, history, interrupted,
-                            n_pairs=len(pairs))
+    if have_refs:
+        return lambda batch: batch.ref_logps
+    policy, device = session.model, session.accelerator.device
+    ref, ref_ctx = _reference(config, session.unwrapped_model, session.start_step > 0, device)
+    if not config.precompute_ref_log_probs:
+        return lambda batch: _ref_logps(ref, policy, ref_ctx, batch)
+    per_dev = config.per_device_batch_size
+    for i in range(0, len(pairs), per_dev):
+        chunk = pairs[i:i + per_dev]
+        lp = _ref_logps(ref, policy, ref_ctx, collate_pairs(chunk, pad_id, config.max_length,
+                                                           padding_side="left").to(device))
+        for p, c, r in zip(chunk, *lp.float().cpu().chunk(2)):
+            p.ref_chosen_logps, p.ref_rejected_logps = float(c), float(r)
+    return lambda batch: batch.ref_logps
 
 
 def train_dpo(config: DPOConfig, rows: Iterable[dict[str, Any]] | None = None, *, model: Any = None,

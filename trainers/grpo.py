@@ -33,13 +33,12 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from pydantic import Field
 
 from closedloop.models.base import SamplingParams
-from closedloop.trainers.common import stop_if_diverged
 from closedloop.trainers.config import TrainConfig
 from closedloop.trainers.constrained import ConstraintSet, CostConstraint
 from closedloop.trainers.grpo_batch import RewardSpec, RolloutBatch, build_batch, load_reward_fn
@@ -47,9 +46,7 @@ from closedloop.trainers.losses import LOSS_TYPES, entropy_from_logits, gather_l
     importance_sampling_weights
 from closedloop.trainers.rollout import EnvFactory, GraphPolicy, Group, collect_groups
 from closedloop.trainers.rollout_thread import RolloutThread
-
-if TYPE_CHECKING:
-    from closedloop.trainers.session import TrainingSession
+from closedloop.trainers.session import TrainingSession
 
 
 class GRPOConfig(TrainConfig):
@@ -136,6 +133,7 @@ class GRPOResult:
     run_id: str | None
     steps: int
     history: list[dict[str, float]] = field(default_factory=list)
+    interrupted: bool = False  #: a Ctrl-C stopped it after saving a checkpoint (``resume: auto`` continues)
 
 
 def reward_spec(config: GRPOConfig) -> RewardSpec:
@@ -165,11 +163,12 @@ def policy_logits(model: Any, ids: torch.Tensor, attn: torch.Tensor, mask: torch
 
 def _keeps_masked_logits(model: Any) -> bool:
     target = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft passes kwargs on
-    return _forward_keeps_masked_logits(type(target))
+    cls: Any = type(target)
+    return _forward_keeps_masked_logits(cls)
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_keeps_masked_logits(cls: type) -> bool:
+def _forward_keeps_masked_logits(cls: Any) -> bool:
     """Whether ``cls.forward`` slices with transformers' ``slice_logits_to_keep`` (which takes a bool
     ``[B, T]`` mask); a model that slices by hand (``hidden[:, -k:]``) gets full logits. Once per class."""
     import inspect
@@ -201,54 +200,53 @@ def sequence_logprobs(model: Any, batch: RolloutBatch, temperature: float, micro
     return torch.cat(out)
 
 
-def grpo_update(model: Any, optimizer: Any, scheduler: Any, batch: RolloutBatch, config: GRPOConfig, *,
-                old_logps: torch.Tensor, ref_logps: torch.Tensor | None, is_weights: torch.Tensor | None,
-                backward: Callable[[torch.Tensor], None], clip: Callable[[], float],
-                step: int | None = None) -> dict[str, float]:
-    """One optimisation pass over the rollout batch (one optimizer step), micro-batched.
+class GRPOObjective:
+    """The loss of one optimisation pass over a rollout batch, one micro-batch (a slice of
+    ``per_device_batch_size`` rows) at a time: :meth:`TrainingSession.train_step` runs
+    :meth:`micro_batches` through it into one optimizer step. :attr:`metrics` sums the pass's.
 
     Micro-batch losses are weighted by their row fraction for grpo/bnpo/dr_grpo (TRL's
     gradient-accumulation semantics: for grpo and dr_grpo this is exactly the whole-batch loss; bnpo
     normalises per micro-batch, as TRL's does), and dapo gets the whole batch's token count as
     ``num_items_in_batch`` (exactly the whole-batch loss). Dr. GRPO's constant normaliser ("max completion
     length") is, for multi-turn episodes, the most tokens an episode can generate:
-    ``max_env_steps * max_new_tokens``.
-
-    A NaN or infinite loss or gradient norm raises :class:`~closedloop.trainers.common.TrainingDivergedError`
-    (``step`` names the step in it) before the optimizer applies the update. The norm is of the
-    gradients all processes share, so under DDP all of them stop together.
+    ``max_env_steps * max_new_tokens``. Under DDP each process's loss is its own batch's, and DDP
+    averages the gradients over processes.
     """
-    micro = config.per_device_batch_size
-    total_tokens = float(batch.loss_mask.sum())
-    sums: dict[str, float] = {}
-    optimizer.zero_grad(set_to_none=True)
-    for i in range(0, len(batch), micro):
-        sl = slice(i, i + micro)
-        ids, attn, mask = batch.input_ids[sl], batch.attention_mask[sl], batch.loss_mask[sl]
-        logits = policy_logits(model, ids, attn, mask)  # [N, V]: the positions that predict trained tokens
+
+    def __init__(self, model: Any, batch: RolloutBatch, config: GRPOConfig, *, old_logps: torch.Tensor,
+                 ref_logps: torch.Tensor | None, is_weights: torch.Tensor | None) -> None:
+        self.model, self.batch, self.config = model, batch, config
+        self.old_logps, self.ref_logps, self.is_weights = old_logps, ref_logps, is_weights
+        self.total_tokens = int(batch.loss_mask.sum())
+        self.metrics: dict[str, float] = {}
+
+    def micro_batches(self) -> list[slice]:
+        micro = self.config.per_device_batch_size
+        return [slice(i, i + micro) for i in range(0, len(self.batch), micro)]
+
+    def __call__(self, rows: slice) -> torch.Tensor:
+        config, batch, sums = self.config, self.batch, self.metrics
+        ids, attn, mask = batch.input_ids[rows], batch.attention_mask[rows], batch.loss_mask[rows]
+        logits = policy_logits(self.model, ids, attn, mask)  # [N, V]: the positions that predict trained tokens
         logps = policy_logprobs(logits, ids, mask, config.temperature)
-        loss, m = grpo_loss(logps, old_logps[sl], batch.advantages[sl], mask,
-                            ref_logps=None if ref_logps is None else ref_logps[sl], beta=config.beta,
+        loss, m = grpo_loss(logps, self.old_logps[rows], batch.advantages[rows], mask,
+                            ref_logps=None if self.ref_logps is None else self.ref_logps[rows], beta=config.beta,
                             epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
-                            loss_type=config.loss_type, is_weights=None if is_weights is None else is_weights[sl],
-                            num_items_in_batch=total_tokens if config.loss_type == "dapo" else None,
+                            loss_type=config.loss_type,
+                            is_weights=None if self.is_weights is None else self.is_weights[rows],
+                            num_items_in_batch=self.total_tokens if config.loss_type == "dapo" else None,
                             max_completion_length=config.max_env_steps * config.max_new_tokens, delta=config.delta)
         scale = 1.0 if config.loss_type == "dapo" else ids.shape[0] / len(batch)
-        backward(loss * scale)
         with torch.no_grad():
             ent = entropy_from_logits(logits / config.temperature).sum() if logits.numel() else 0.0
-        w = float(mask.sum()) / max(total_tokens, 1.0)
+        w = float(mask.sum()) / max(self.total_tokens, 1.0)
         sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * scale
-        sums["entropy"] = sums.get("entropy", 0.0) + float(ent) / max(total_tokens, 1.0)
+        sums["entropy"] = sums.get("entropy", 0.0) + float(ent) / max(self.total_tokens, 1.0)
         for k, v in m.items():
             if k != "num_tokens":
                 sums[k] = sums.get(k, 0.0) + float(v) * w
-    sums["grad_norm"] = clip()
-    stop_if_diverged(step, loss=sums.get("loss", 0.0), grad_norm=sums["grad_norm"])
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
-    return sums
+        return loss * scale
 
 
 def _episode_stats(groups: list[Group], batch: RolloutBatch) -> dict[str, float]:
@@ -301,59 +299,79 @@ def make_env_factory(name: str, options: dict[str, Any]) -> EnvFactory:
 def train_grpo(config: GRPOConfig, *, model: Any = None, tokenizer: Any = None, make_env: EnvFactory | None = None,
                on_step: Callable[[int, dict[str, float]], None] | None = None) -> GRPOResult:
     """Run GRPO as configured; returns where the model went and the metric history."""
-    from closedloop.trainers.session import TrainingSession
-
     config.check_paths(model_given=model is not None and tokenizer is not None)
     make_env = make_env or make_env_factory(config.env, config.env_options)  # a bad name fails before any loading
-    session = TrainingSession(config, kind="grpo", model=model, tokenizer=tokenizer)
-    try:
-        return _train(session, config, make_env, on_step)
-    except KeyboardInterrupt:
-        session.finish("interrupted")
-        raise
-    except Exception as e:  # recorded on the store run, which would otherwise stay "running" and read as killed
-        session.finish("failed", error=e)
-        raise
+    total = config.max_steps or 1
+    with TrainingSession(config, kind="grpo", model=model, tokenizer=tokenizer, total_steps=total,
+                         optimizer_steps=total * config.num_iterations) as session:
+        history = _train(session, config, make_env, on_step)
+        if not session.interrupted:
+            session.save_final()
+    return GRPOResult(Path(config.output_dir), session.run_id, session.state.step, history, session.interrupted)
 
 
-def _train(session: TrainingSession, config: GRPOConfig, make_env: EnvFactory,
-           on_step: Callable[[int, dict[str, float]], None] | None) -> GRPOResult:
-    """The loop of :func:`train_grpo` on an open session."""
-    from closedloop.models.hf import HFClient
-
-    accel, policy = session.accelerator, session.model
-    unwrapped = accel.unwrap_model(policy)
+def _rollout_client(session: TrainingSession, config: GRPOConfig) -> Any:
+    """The engine rollouts run on: the live policy (``hf:`` over the model being trained) or ``rollout_model``."""
     if config.rollout_model:
         from closedloop.trainers.weight_sync import make_rollout_client
 
-        client = make_rollout_client(config.rollout_model)
-    else:
-        # batch_gap_ms: a rollout batch's first requests arrive in one burst; start as soon as it ends
-        client = HFClient.from_model(unwrapped, session.tokenizer, name=f"policy:{config.model_path}",
-                                     max_batch_size=config.max_batch_size, batch_gap_ms=1.0)
+        return make_rollout_client(config.rollout_model)
+    from closedloop.models.hf import HFClient
+
+    # batch_gap_ms: a rollout batch's first requests arrive in one burst; start as soon as it ends
+    return HFClient.from_model(session.unwrapped_model, session.tokenizer, name=f"policy:{config.model_path}",
+                               max_batch_size=config.max_batch_size, batch_gap_ms=1.0)
+
+
+def _frozen_copy(model: Any) -> Any:
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def _on_device(batch: RolloutBatch, device: Any) -> RolloutBatch:
+    return RolloutBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.loss_mask.to(device),
+                        batch.old_logps.to(device), batch.logprob_mask.to(device), batch.advantages.to(device),
+                        batch.rows_per_episode, batch.truncated_tokens, batch.stats)
+
+
+def _old_logps(policy: Any, batch: RolloutBatch, config: GRPOConfig,
+               use_is: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The old logprobs of the ratio and the truncated IS weights (None when not used): the
+    sampler's recorded logprobs, or the trainer's own where the sampler gave none (TRL's
+    ``old_per_token_logps``), or with importance sampling the trainer's, the sampler's entering the weights."""
+    if not use_is and not bool((batch.logprob_mask < batch.loss_mask).any()):
+        return batch.old_logps, None
+    trainer_old = sequence_logprobs(policy, batch, config.temperature, config.per_device_batch_size)
+    if not use_is:
+        return torch.where(batch.logprob_mask.bool(), batch.old_logps, trainer_old), None
+    return trainer_old, importance_sampling_weights(trainer_old, batch.old_logps, batch.loss_mask,
+                                                    clip_max=config.importance_sampling_cap,
+                                                    sampler_mask=batch.logprob_mask)
+
+
+def _train(session: TrainingSession, config: GRPOConfig, make_env: EnvFactory,
+           on_step: Callable[[int, dict[str, float]], None] | None) -> list[dict[str, float]]:
+    """The loop of :func:`train_grpo` on an open session; returns the metric history."""
+    accel, policy, unwrapped = session.accelerator, session.model, session.unwrapped_model
+    client = _rollout_client(session, config)
     from closedloop.trainers.weight_sync import make_weight_sync
 
     sync = make_weight_sync(client, config, accelerator=accel)  # rollout engine <- trainer weights, each step
     if session.start_step:  # resumed: the engine starts from the checkpoint's weights
         sync.push(unwrapped, session.start_step)
     use_is = config.importance_sampling == "on" or (config.importance_sampling == "auto" and bool(config.rollout_model))
-    ref_model = None
-    if config.beta > 0:
-        ref_model = copy.deepcopy(unwrapped).eval()
-        for p in ref_model.parameters():
-            p.requires_grad_(False)
+    ref_model = _frozen_copy(unwrapped) if config.beta > 0 else None
     spec = reward_spec(config)
     constraints = ConstraintSet(config.constraints)
     if constraints and session.start_step:
         constraints.load(config.output_dir, session.start_step)  # λ as it was at the checkpoint
     policy_def = GraphPolicy(client, config.graph, config.sampling, dict(config.graph_options))
-    rank = accel.process_index
+    rank, total = accel.process_index, session.total_steps
     rng = random.Random(f"{config.seed}:{rank}")
-    history: list[dict[str, float]] = []
-    start = session.start_step
-    for _ in range(start):  # a resumed run draws the seeds it would have drawn
+    for _ in range(session.start_step):  # a resumed run draws the seeds it would have drawn
         [rng.randrange(config.train_seed_count) for _ in range(config.prompts_per_step)]
-    from closedloop.trainers.checkpoint import InterruptGuard
 
     def start_rollout(step: int) -> Any:
         seeds = [config.train_seed_start + rng.randrange(config.train_seed_count)
@@ -371,97 +389,76 @@ def _train(session: TrainingSession, config: GRPOConfig, make_env: EnvFactory,
     rollouts = RolloutThread()
     pending = None
     hold = contextlib.ExitStack()  # holds client.paused() from a prefetch until the update is done
-    status = "completed"
+    history: list[dict[str, float]] = []
     # The model, tokenizer, optimizer and imported modules live for the whole run: freezing them out
     # of the collector makes each full collection walk only what the steps allocate (unfrozen at
     # the end, so nothing outlives the run).
     gc.collect()
     gc.freeze()
     try:
-        with InterruptGuard() as guard:
-            for step in range(start, config.max_steps or 0):
-                t0 = time.perf_counter()
-                if pending is None:
-                    unwrapped.eval()
-                    pending = start_rollout(step)
-                groups = pending.result()
-                pending = None
-                t_roll = time.perf_counter() - t0
-                if prefetch:
-                    hold.enter_context(client.paused())
-                if prefetch and step + 1 < (config.max_steps or 0) and not guard.requested:
-                    pending = start_rollout(step + 1)  # its generation waits for hold to end
-                pad = session.tokenizer.pad_token_id if session.tokenizer.pad_token_id is not None else 0
-                costs = constraints.annotate([e for g in groups for e in g.episodes]) if constraints else []
-                batch = build_batch(groups, constraints.reward_spec(spec) if constraints else spec,
-                                    scale=config.scale_rewards, gamma=config.gamma, turn_weight=config.turn_weight,
-                                    max_length=config.max_length, pad_id=pad, turn_baseline=config.turn_baseline,
-                                    missing_turn_rewards=config.missing_turn_rewards)
-                if constraints:  # penalty R - Σλ·C is in the advantages; now the dual step on λ
-                    batch.stats.update(constraints.step(costs, batch.stats, reduce=_sum_over_processes(accel)))
-                    if session.is_main:
-                        constraints.save(config.output_dir, step + 1)
-                device = accel.device
-                batch = RolloutBatch(batch.input_ids.to(device), batch.attention_mask.to(device),
-                                     batch.loss_mask.to(device), batch.old_logps.to(device),
-                                     batch.logprob_mask.to(device),
-                                     batch.advantages.to(device), batch.rows_per_episode, batch.truncated_tokens,
-                                     batch.stats)
-                session.record_trajectories([e.trajectory for g in groups for e in g.episodes], step)
-                if _nothing_to_train(batch, accel):  # e.g. every episode failed: report it, do not crash
-                    unwrapped.eval()
-                    hold.close()
-                    metrics = {**_episode_stats(groups, batch), "skipped_update": 1.0, "rollout_s": t_roll,
-                               "step_s": time.perf_counter() - t0}
-                    history.append({"step": step + 1, **metrics})
-                    session.log(step + 1, metrics)
-                    continue
-                unwrapped.train()
-                micro = config.per_device_batch_size
-                old = batch.old_logps
-                is_weights = None
-                if use_is or bool((batch.logprob_mask < batch.loss_mask).any()):
-                    trainer_old = sequence_logprobs(policy, batch, config.temperature, micro)
-                    if use_is:
-                        is_weights = importance_sampling_weights(trainer_old, batch.old_logps, batch.loss_mask,
-                                                                 clip_max=config.importance_sampling_cap,
-                                                                 sampler_mask=batch.logprob_mask)
-                        old = trainer_old
-                    else:  # tokens whose sampler gave no logprob: the trainer's own (TRL's old_per_token_logps)
-                        old = torch.where(batch.logprob_mask.bool(), batch.old_logps, trainer_old)
-                ref = sequence_logprobs(ref_model, batch, config.temperature, micro) if ref_model is not None else None
-                t1 = time.perf_counter()
-                for _ in range(config.num_iterations):
-                    m = grpo_update(policy, session.optimizer, session.scheduler, batch, config, old_logps=old,
-                                    ref_logps=ref, is_weights=is_weights, backward=accel.backward,
-                                    clip=session.clip_gradients, step=step + 1)
-                t_train = time.perf_counter() - t1
-                sync.push(unwrapped, step + 1)
+        for step in range(session.start_step + 1, total + 1):  # step k trains on rollout batch k - 1
+            t0 = time.perf_counter()
+            if pending is None:
                 unwrapped.eval()
-                hold.close()  # the next batch's generation may start now
-                tokens = float(batch.attention_mask.sum())
-                metrics = {**_episode_stats(groups, batch), **m, "rollout_s": t_roll, "train_s": t_train,
-                           "step_s": time.perf_counter() - t0,
-                           "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
-                           "learning_rate": session.current_lr()}
-                history.append({"step": step + 1, **metrics})
-                session.log(step + 1, metrics)
-                if on_step is not None:
-                    on_step(step + 1, metrics)
-                session.maybe_save(step + 1)
-                if guard.should_stop(accel):  # Ctrl-C: save, then stop; `resume: auto` continues
-                    session.save(step + 1, interrupted=True)
-                    status = "interrupted"
-                    break
+                pending = start_rollout(step - 1)
+            groups = pending.result()
+            pending = None
+            t_roll = time.perf_counter() - t0
+            if prefetch:
+                hold.enter_context(client.paused())
+            if prefetch and step < total and not session.stop_requested:
+                pending = start_rollout(step)  # its generation waits for hold to end
+            pad = session.tokenizer.pad_token_id if session.tokenizer.pad_token_id is not None else 0
+            costs = constraints.annotate([e for g in groups for e in g.episodes]) if constraints else []
+            batch = build_batch(groups, constraints.reward_spec(spec) if constraints else spec,
+                                scale=config.scale_rewards, gamma=config.gamma, turn_weight=config.turn_weight,
+                                max_length=config.max_length, pad_id=pad, turn_baseline=config.turn_baseline,
+                                missing_turn_rewards=config.missing_turn_rewards)
+            if constraints:  # penalty R - Σλ·C is in the advantages; now the dual step on λ
+                batch.stats.update(constraints.step(costs, batch.stats, reduce=_sum_over_processes(accel)))
+                if session.is_main:
+                    constraints.save(config.output_dir, step)
+            batch = _on_device(batch, accel.device)
+            session.record_trajectories([e.trajectory for g in groups for e in g.episodes], step - 1)
+            if _nothing_to_train(batch, accel):  # e.g. every episode failed: report it, do not crash
+                unwrapped.eval()
+                hold.close()
+                metrics = {**_episode_stats(groups, batch), "skipped_update": 1.0, "rollout_s": t_roll,
+                           "step_s": time.perf_counter() - t0}
+                history.append({"step": step, **metrics})
+                session.log(step, metrics if session.logging_step(step) else {})
+                session.state.step = step
+                continue
+            unwrapped.train()
+            old, is_weights = _old_logps(policy, batch, config, use_is)
+            ref = None if ref_model is None else sequence_logprobs(ref_model, batch, config.temperature,
+                                                                   config.per_device_batch_size)
+            t1 = time.perf_counter()
+            for _ in range(config.num_iterations):
+                objective = GRPOObjective(policy, batch, config, old_logps=old, ref_logps=ref, is_weights=is_weights)
+                result = session.train_step(step, objective.micro_batches(), objective)
+            m = {**objective.metrics, "grad_norm": result.grad_norm}
+            t_train = time.perf_counter() - t1
+            sync.push(unwrapped, step)
+            unwrapped.eval()
+            hold.close()  # the next batch's generation may start now
+            tokens = float(batch.attention_mask.sum())
+            metrics = {**_episode_stats(groups, batch), **m, "rollout_s": t_roll, "train_s": t_train,
+                       "step_s": time.perf_counter() - t0,
+                       "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
+                       "learning_rate": session.current_lr()}
+            history.append({"step": step, **metrics})
+            session.log(step, metrics if session.logging_step(step) else {})
+            if on_step is not None:
+                on_step(step, metrics)
+            if session.end_step(step):  # Ctrl-C: saved; `resume: auto` continues
+                break
     finally:
         rollouts.close()  # cancels a prefetched rollout that will not be trained on (before its generation can start)
         hold.close()
         gc.unfreeze()
     sync.close()
-    if status == "completed":
-        session.save_final()
-    session.finish(status)
-    return GRPOResult(Path(config.output_dir), session.run_id, session.step, history)
+    return history
 
 
 CONFIG_CLASS = GRPOConfig
@@ -471,5 +468,5 @@ def run_from_config(config: GRPOConfig) -> GRPOResult:
     return train_grpo(config)
 
 
-__all__ = ["CONFIG_CLASS", "GRPOConfig", "GRPOResult", "grpo_update", "reward_spec", "run_from_config",
+__all__ = ["CONFIG_CLASS", "GRPOConfig", "GRPOResult", "GRPOObjective", "reward_spec", "run_from_config",
            "policy_logits", "policy_logprobs", "predicting_positions", "sequence_logprobs", "train_grpo", "LOSS_TYPES"]

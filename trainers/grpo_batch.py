@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
 from closedloop.messages import Trajectory
-from closedloop.trainers.advantages import token_advantages, turn_level_advantages
+from closedloop.trainers.advantages import Scale, token_advantages, turn_level_advantages
 from closedloop.trainers.rollout import Group
 
 RewardFn = Callable[[Trajectory], float]
@@ -90,9 +90,10 @@ class RolloutBatch:
                             self.logprob_mask[idx], self.advantages[idx], [], 0, {})
 
 
-def build_batch(groups: list[Group], spec: RewardSpec, *, scale: str = "group", gamma: float = 1.0,
+def build_batch(groups: list[Group], spec: RewardSpec, *, scale: Scale = "group", gamma: float = 1.0,
                 turn_weight: float = 1.0, max_length: int | None = None, pad_id: int = 0,
-                turn_baseline: str = "group", missing_turn_rewards: str = "zero") -> RolloutBatch:
+                turn_baseline: Literal["group", "position"] = "group",
+                missing_turn_rewards: Literal["zero", "exclude"] = "zero") -> RolloutBatch:
     """Score every episode, assign per-token advantages, and pad the token views into a batch.
 
     ``missing_turn_rewards``: what a turn without a per-turn reward (None from
@@ -118,12 +119,11 @@ def build_batch(groups: list[Group], spec: RewardSpec, *, scale: str = "group", 
                 comp_sums.setdefault(k, []).append(v)
     per_turn_adv = turn_level_advantages(torch.tensor(finals, dtype=torch.float32), turn_rewards,
                                          torch.tensor(group_ids), gamma=gamma, turn_weight=turn_weight, scale=scale,
-                                         turn_baseline=turn_baseline,  # type: ignore[arg-type]
-                                         missing=missing_turn_rewards)  # type: ignore[arg-type]
+                                         turn_baseline=turn_baseline, missing=missing_turn_rewards)
     ids_rows: list[list[int]] = []
-    mask_rows: list[list[float]] = []
+    mask_rows: list[list[int]] = []
     lp_rows: list[list[float]] = []
-    lpm_rows: list[list[float]] = []
+    lpm_rows: list[list[int]] = []
     turn_rows: list[list[int]] = []
     row_turn_adv: list[list[float]] = []  # per row: its episode's per-turn advantages
     rows_per_episode: list[int] = []
@@ -131,16 +131,16 @@ def build_batch(groups: list[Group], spec: RewardSpec, *, scale: str = "group", 
     for traj, adv in zip(trajs, per_turn_adv):
         views = traj.token_view()
         rows_per_episode.append(len(views))
-        per_turn = [float(a) for a in adv]
-        for v in views:
-            n = len(v.input_ids) if max_length is None else min(len(v.input_ids), max_length)
-            truncated += len(v.input_ids) - n
-            turn_rows.append(list(v.turn_index[:n]))
-            row_turn_adv.append(per_turn)
-            ids_rows.append(list(v.input_ids[:n]))
-            mask_rows.append(list(v.loss_mask[:n]))
-            lp_rows.append(list(v.logprobs[:n]))
-            lpm_rows.append(list(v.logprob_mask[:n]))
+        episode_adv = [float(a) for a in adv]
+        for view in views:
+            n = len(view.input_ids) if max_length is None else min(len(view.input_ids), max_length)
+            truncated += len(view.input_ids) - n
+            turn_rows.append(list(view.turn_index[:n]))
+            row_turn_adv.append(episode_adv)
+            ids_rows.append(list(view.input_ids[:n]))
+            mask_rows.append(list(view.loss_mask[:n]))
+            lp_rows.append(list(view.logprobs[:n]))
+            lpm_rows.append(list(view.logprob_mask[:n]))
     width = max((len(r) for r in ids_rows), default=1)
 
     def padded(rows: list[list[Any]], value: Any, dtype: torch.dtype) -> torch.Tensor:

@@ -203,6 +203,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: t
     if is_weights is not None:
         per_token = per_token * is_weights
     if beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta != 0 needs ref_logps")
         kl = k3_kl(logps, ref_logps)
         per_token = per_token + beta * kl
 

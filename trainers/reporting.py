@@ -93,8 +93,8 @@ class MetricsReporter:
         self._tb = None
         self._wandb = None
         self._trackio = None
-        self._progress = None
-        self._task = None
+        self._progress: Any = None  # a rich Progress once started
+        self._task: Any = None
         self._show_progress = progress
         self._console = console
         self._closed = False

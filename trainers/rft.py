@@ -39,9 +39,10 @@ from typing import Any, Callable, Literal, Sequence
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from closedloop.trainers.grpo import GRPOConfig, GRPOResult, train_grpo
+from closedloop.trainers.recipes.runner import StageContext, StageInterrupted, StageKind
 
 __all__ = ["EnvSpec", "RFTConfig", "RFTResult", "EvalMatrix", "MixtureEnv", "mixture_choice", "run_rft",
-           "run_from_config", "CONFIG_CLASS", "render_table", "plot_matrix"]
+           "run_from_config", "CONFIG_CLASS", "render_table", "plot_matrix", "RFTStage", "RFT_STAGE"]
 
 
 class EnvSpec(BaseModel):
@@ -351,7 +352,7 @@ def run_rft(config: RFTConfig, *, log: Callable[[str], None] | None = None) -> R
     status = "failed"
     error: Exception | None = None
     try:
-        model = config.model_path
+        model: str | Path = config.model_path
         if config.evaluate_base:
             add_row("base", model)
         for k, (name, envs) in enumerate(_stage_plan(config)):
@@ -366,7 +367,7 @@ def run_rft(config: RFTConfig, *, log: Callable[[str], None] | None = None) -> R
             say(f"rft: stage {k + 1}: GRPO on {name} for {fields['max_steps']} steps")
             result = train_grpo(GRPOConfig(**fields), make_env=_stage_factory(envs))
             stages.append(result)
-            if result.steps < fields["max_steps"]:  # Ctrl-C inside the stage: its checkpoint is saved
+            if result.interrupted:  # Ctrl-C inside the stage: its checkpoint is saved
                 status = "interrupted"
                 break
             model = result.output_dir
@@ -405,3 +406,26 @@ CONFIG_CLASS = RFTConfig
 
 def run_from_config(config: RFTConfig) -> RFTResult:
     return run_rft(config)
+
+
+# --------------------------------------------------------------------------- as a recipe stage
+
+
+class RFTStage(BaseModel):
+    """The protocol as one stage of a recipe (kind ``rft``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rft: RFTConfig = Field(..., description="The protocol's config (closedloop train rft --list-keys).")
+
+
+def _rft_stage(config: RFTStage, ctx: StageContext) -> dict[str, Any]:
+    result = run_rft(config.rft, log=ctx.log)
+    if result.interrupted:
+        raise StageInterrupted(f"RFT stopped in stage {len(result.stages)}")
+    return {"output_dir": str(result.output_dir), "run_id": result.run_id, "matrix": result.matrix.as_dict(),
+            "plot": str(result.plot) if result.plot else None,
+            "model_dir": str(result.stages[-1].output_dir) if result.stages else config.rft.model_path}
+
+
+RFT_STAGE = StageKind(RFTStage, _rft_stage, "the RFT generalisation protocol: GRPO stages and the evaluation matrix")

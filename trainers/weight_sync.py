@@ -289,7 +289,7 @@ def _probe_server(root: str, timeout_s: float) -> str:
         info = httpx.get(root + "/server_info", params={"config_format": "json"}, timeout=timeout_s)
         version = httpx.get(root + "/version", timeout=timeout_s)
     except httpx.HTTPError:
-        info = version = None
+        info = version = None  # type: ignore[assignment]
     if info is not None and info.status_code == 200:
         return "vllm"
     if version is not None and version.status_code == 200:

@@ -1,6 +1,6 @@
 """``closedloop demo --quick`` end to end, as CI runs the main job scaled down: every stage runs,
 the table's numbers come from real held-out episodes, the plot and results exist, and every run
-landed in the store."""
+landed in the store; run again, every finished stage is skipped (the demo is a recipe)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ pytestmark = pytest.mark.slow
 
 def test_demo_quick_runs_every_stage_and_records_everything(tiny_model_path, tmp_path, capsys):
     out = tmp_path / "demo"
-    rc = main(["demo", "--quick", "--model", f"hf:{tiny_model_path}", "--out", str(out),
-               "--set", "eval_episodes=12", "--set", "grpo_steps=2"])
+    args = ["demo", "--quick", "--model", f"hf:{tiny_model_path}", "--out", str(out), "--set", "eval_episodes=12",
+            "--set", "grpo_steps=2"]
+    rc = main(args)
     assert rc == 0
     printed = capsys.readouterr().out
     result = json.loads((out / "results.json").read_text())
@@ -41,6 +42,15 @@ def test_demo_quick_runs_every_stage_and_records_everything(tiny_model_path, tmp
     assert kinds["eval"] == 3 and kinds["eval-episode"] == 3 * 12
     # the SFT and GRPO models are ordinary HF directories
     assert (out / "sft" / "config.json").exists() and (out / "grpo" / "config.json").exists()
+
+    # Again: every stage finished before, so none runs (no new run in the store) and the table is the same.
+    assert main(args) == 0
+    again = capsys.readouterr().out
+    for s in result["stages"]:
+        assert f"{s['summary']['success']:.3f}" in again
+    for stage in ("base", "experts", "sft", "grpo", "eval", "report"):
+        assert f"{stage}: done before" in again
+    assert len(store.list_runs(limit=None)) == sum(kinds.values())
 
 
 def test_demo_rejects_unknown_settings(capsys):

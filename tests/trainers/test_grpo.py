@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from closedloop.models.base import SamplingParams
-from closedloop.trainers.grpo import GRPOConfig, grpo_update, reward_spec, sequence_logprobs, train_grpo
+from closedloop.trainers.grpo import GRPOConfig, GRPOObjective, reward_spec, sequence_logprobs, train_grpo
 from closedloop.trainers.grpo_batch import RewardSpec, build_batch
 from closedloop.trainers.rollout import GraphPolicy, collect_groups
 
@@ -85,11 +85,11 @@ def test_micro_batching_does_not_change_the_update(policy_parts, loss_type):
     grads = []
     for micro in (len(batch), 2):
         m = copy.deepcopy(model).train()
-        opt = torch.optim.SGD(m.parameters(), lr=0.0)
         cfg = GRPOConfig(model="unused", output_dir="unused", per_device_batch_size=micro, loss_type=loss_type,
                          max_env_steps=3, max_new_tokens=32)
-        grpo_update(m, opt, None, batch, cfg, old_logps=batch.old_logps, ref_logps=None, is_weights=None,
-                    backward=lambda loss: loss.backward(), clip=lambda: 0.0)
+        objective = GRPOObjective(m, batch, cfg, old_logps=batch.old_logps, ref_logps=None, is_weights=None)
+        for rows in objective.micro_batches():  # what TrainingSession.train_step accumulates
+            objective(rows).backward()
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
     assert grads[0].abs().sum() > 0
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)

@@ -1,15 +1,16 @@
-"""The latency experiment's analytic baselines on the evaluation sentences (the GRPO run itself is
-an experiment: ``python -m closedloop.trainers.latency``)."""
+"""The latency recipe's analytic baselines on the evaluation sentences, and its params (the GRPO run
+itself is an experiment: ``closedloop recipe run latency``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from closedloop.trainers.latency import LatencyConfig, baselines
+from closedloop.trainers.latency import SimulTask, baselines
+from closedloop.trainers.recipes import LATENCY, RecipeError, load_recipe, recipe_params
 
 
 def test_baselines_trade_quality_for_lag():
-    b = baselines(LatencyConfig(model="unused", level=2, eval_episodes=30))
+    b = baselines(SimulTask(level=2, eval_episodes=30))
     for k in (1, 2, 3):
         assert b[f"wait-{k}"]["al"] == pytest.approx(k)  # AL of wait-k on equal lengths is k
     assert b["wait-1"]["bleu"] < 100 and b["wait-2"]["bleu"] == pytest.approx(100)  # the verb comes third
@@ -18,6 +19,10 @@ def test_baselines_trade_quality_for_lag():
     assert b["oracle"]["reward"] == max(v["reward"] for v in b.values())
 
 
-def test_config_refuses_unknown_keys():
-    with pytest.raises(ValueError, match="extra"):
-        LatencyConfig(model="m", grpo_step=3)
+def test_recipe_refuses_unknown_params_and_bad_values():
+    recipe = load_recipe(LATENCY)
+    with pytest.raises(RecipeError, match="unknown param.*grpo_step"):
+        recipe_params(recipe, {"grpo_step": 3})
+    with pytest.raises(RecipeError, match="grpo_steps"):
+        recipe_params(recipe, {"grpo_steps": "many"})
+    assert recipe_params(recipe, {"grpo_steps": 3}, quick=True)["sft_steps"] == recipe.quick["sft_steps"]

@@ -41,13 +41,21 @@ Tasks (``--task``):
   greedy success after SFT is 1.0 and the sampled (T = 1) policy still asks ~0.9 uninformative
   questions per episode.
 
-``--env-options JSON`` overrides any environment option of the chosen task; ``--sft-model``
-reuses an SFT checkpoint (a second GRPO seed from the same start); ``--eval-steps 10`` also
-evaluates (sampled) each arm's checkpoint after 10 GRPO steps; ``--no-eval-sft`` skips the SFT row;
-``--turn-weight w`` scales the IG arm's turn advantage (A = A^final + w·A^turn, ``GRPOConfig.turn_weight``).
+The pipeline is the recipe ``clarify_ig.yaml`` beside this module (which holds the task and the
+evaluation stage). ``--set env_options=JSON`` overrides any environment option of the chosen task;
+``--set sft_model=DIR`` reuses an SFT checkpoint (a second GRPO seed from the same start; running
+the recipe again into the same ``out`` with another ``seed`` skips the SFT stage by itself);
+``--set eval_steps=10`` also evaluates (sampled) each arm's checkpoint after 10 GRPO steps;
+``--set no_eval_sft=true`` skips the SFT row; ``--set turn_weight=w`` scales the IG arm's turn
+advantage (A = A^final + w·A^turn, ``GRPOConfig.turn_weight``).
 
-    python benchmarks/bench_clarify_ig.py --model PATH_TO_TINY --out out/clarify-ig     # ~20 min, 2 CPU cores
-    python benchmarks/bench_clarify_ig.py --quick                                       # a smoke run
+    closedloop recipe run benchmarks/recipes/clarify_ig.yaml --set model=PATH_TO_TINY --set out=out/clarify-ig  # ~20 min
+    closedloop recipe run benchmarks/recipes/clarify_ig.yaml --quick                                          # a smoke run
+
+The commands in "Measured" below predate the recipe (``python benchmarks/bench_clarify_ig.py
+--grpo-steps 25 --seed 1 ...``): every flag is now a param of the same name, dashes as
+underscores (``closedloop recipe run benchmarks/recipes/clarify_ig.yaml --set grpo_steps=25 --set seed=1``;
+a bare flag such as ``--no-eval-sft`` is ``--set no_eval_sft=true``).
 
 Measured
 --------
@@ -306,11 +314,13 @@ policy stops submitting (22-49 of 64 rollouts truncated per step) and loses succ
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from closedloop.trainers.recipes import StageContext, StageKind
 
 #: The ``tiny`` task's environment options (see the module docstring).
 TINY_TASK: dict[str, Any] = {
@@ -319,145 +329,99 @@ TINY_TASK: dict[str, Any] = {
 }
 
 
-def env_options(args: argparse.Namespace) -> dict[str, Any]:
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Task(_Strict):
     """The environment options of every stage (expert data, GRPO, evaluation)."""
-    opts: dict[str, Any] = dict(TINY_TASK) if args.task == "tiny" else {"level": args.level}
-    opts.update(json.loads(args.env_options) if args.env_options else {})
-    if args.expert_noise is not None:
-        opts["expert_noise"] = args.expert_noise
-    return opts
+
+    task: str
+    level: int
+    env_options: str | dict[str, Any] | None = None
+    expert_noise: float | None = None
+    arms: list[str]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="out/clarify-ig")
-    ap.add_argument("--model", default=None, help="base model directory (default: build the tiny model)")
-    ap.add_argument("--task", choices=("tiny", "level"), default="tiny", help="see the module docstring")
-    ap.add_argument("--level", type=int, default=1, help="clarify level of --task level")
-    ap.add_argument("--env-options", default=None, help="JSON object of clarify options over the task's")
-    ap.add_argument("--expert-noise", type=float, default=None, help="override the expert's noise (0..1)")
-    ap.add_argument("--expert-episodes", type=int, default=4000)
-    ap.add_argument("--sft-steps", type=int, default=500)
-    ap.add_argument("--sft-lr", type=float, default=3e-3)
-    ap.add_argument("--sft-model", default=None, help="reuse this SFT checkpoint instead of training one")
-    ap.add_argument("--grpo-steps", type=int, default=30)
-    ap.add_argument("--ig-weight", type=float, default=0.5, help="reward per nat of information gain (ig run)")
-    ap.add_argument("--gamma", type=float, default=0.0, help="discount of the per-turn IG return-to-go (ig run)")
-    ap.add_argument("--turn-baseline", choices=("group", "position"), default="group",
-                    help="baseline of the per-turn IG returns (ig run); see the module docstring")
-    ap.add_argument("--missing-turn-rewards", choices=("zero", "exclude"), default="exclude",
-                    help="turns that ask nothing (submit): IG 0 ('zero') or no IG at all ('exclude'; ig run)")
-    ap.add_argument("--turn-weight", type=float, default=1.0,
-                    help="weight of the per-turn IG advantage: A = A^final + w·A^turn (ig run)")
-    ap.add_argument("--eval-steps", default="",
-                    help="comma-separated GRPO steps whose checkpoints are also evaluated, sampled only")
-    ap.add_argument("--no-eval-sft", action="store_true", help="do not evaluate the SFT start")
-    ap.add_argument("--arms", default="success,ig", help="GRPO arms to train: success, ig or both")
-    ap.add_argument("--lr", type=float, default=5e-4, help="GRPO learning rate")
-    ap.add_argument("--seed", type=int, default=0, help="GRPO seed (both arms)")
-    ap.add_argument("--eval-episodes", type=int, default=200)
-    ap.add_argument("--eval-temperatures", default="0,1",
-                    help="comma-separated sampling temperatures of the evaluation (0: greedy)")
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    if args.quick:
-        args.expert_episodes, args.sft_steps, args.grpo_steps, args.eval_episodes = 60, 10, 2, 20
+def _task(config: Task, ctx: StageContext) -> dict[str, Any]:
+    from closedloop.evals.envs import make_env
 
-    import torch
+    if config.task not in ("tiny", "level"):
+        raise ValueError(f"task: tiny or level, got {config.task!r}")
+    if not config.arms or set(config.arms) - {"success", "ig"}:
+        raise ValueError(f"arms: success and/or ig, got {config.arms}")
+    opts: dict[str, Any] = dict(TINY_TASK) if config.task == "tiny" else {"level": config.level}
+    extra = json.loads(config.env_options) if isinstance(config.env_options, str) else config.env_options
+    opts.update(extra or {})
+    if config.expert_noise is not None:
+        opts["expert_noise"] = config.expert_noise
+    env = make_env("clarify", **opts)  # bad options fail here, before any training
+    return {"env_options": opts, "max_turns": env._max_turns()}
+
+
+TASK = StageKind(Task, _task, "the clarify task's options and turn budget")
+
+
+class Evaluate(_Strict):
+    """Each policy on the same held-out seeds, greedy and sampled; the table and the results file."""
+
+    sft: str | None  # the SFT model (null: no SFT row)
+    arms: list[str]  # success and/or ig: the stages grpo-<arm>
+    eval_steps: list[int]  # also the arms' checkpoints after these steps, sampled only
+    grpo_steps: int
+    env_options: dict[str, Any]
+    max_turns: int
+    episodes: int
+    temperatures: list[float]
+    seed: int
+    title: str
+    results: str
+    extra: dict[str, Any] = {}
+
+
+def _policies(config: Evaluate, ctx: StageContext) -> list[tuple[str, str, list[float]]]:
+    temps, sampled = config.temperatures, [t for t in config.temperatures if t > 0]
+    policies = [] if config.sft is None else [("sft", config.sft, temps)]
+    for arm in config.arms:
+        grpo = ctx.outputs[f"grpo-{arm}"]
+        for step in config.eval_steps:
+            if step < config.grpo_steps:
+                ckpt = Path(grpo["model_dir"]) / f"checkpoint-{step}"
+                if not ckpt.is_dir():
+                    raise ValueError(f"eval_steps {step}: no {ckpt} (steps must be multiples of the smallest)")
+                policies.append((f"grpo-{arm}@{step}", str(ckpt), sampled))
+        policies.append((f"grpo-{arm}", grpo["model_dir"], temps))
+    return policies
+
+
+def _evaluate(config: Evaluate, ctx: StageContext) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
 
-    from closedloop.evals.envs import make_env
-    from closedloop.evals.envs.experts import expert_trajectories
-    from closedloop.models.base import SamplingParams
-    from closedloop.models.hf import HFClient
-    from closedloop.models.tiny import build_tiny_model
-    from closedloop.trainers.config import SFTConfig
-    from closedloop.trainers.evaluate import evaluate
-    from closedloop.trainers.grpo import GRPOConfig, train_grpo
-    from closedloop.trainers.sft import train_sft
+    from closedloop.trainers.recipes.stages import EvaluateStage, evaluate_model
 
-    torch.set_num_threads(1)
-    console = Console()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    opts = env_options(args)
-    make_env("clarify", **opts)  # bad options fail here, before any training
-    t0 = time.perf_counter()
-    timings: dict[str, float] = {}
-    if args.sft_model:
-        sft_dir = Path(args.sft_model)
-    else:
-        base = Path(args.model) if args.model else out / "base"
-        if not args.model and not (base / "config.json").exists():
-            build_tiny_model(base, seed=0, train_steps=300 if args.quick else 1000)
-        experts = expert_trajectories("clarify", range(args.expert_episodes), **opts)
-        sft_dir = train_sft(SFTConfig(model=str(base), output_dir=str(out / "sft"), max_steps=args.sft_steps,
-                                      learning_rate=args.sft_lr, lr_scheduler="cosine",
-                                      warmup_steps=max(1, args.sft_steps // 20), per_device_batch_size=16,
-                                      save_steps=None, report_to="none", torch_threads=1, max_length=2048,
-                                      logging_steps=50), experts).output_dir
-        timings["sft_s"] = time.perf_counter() - t0
-    max_turns = make_env("clarify", **opts)._max_turns()
-    runs = {}
-    eval_steps = [int(x) for x in args.eval_steps.split(",") if x.strip()]
-    arms = [a.strip() for a in args.arms.split(",")]
-    if not arms or set(arms) - {"success", "ig"}:
-        raise SystemExit(f"--arms takes success and/or ig, got {args.arms!r}")
-    weighted = f"-w{args.turn_weight:g}" if args.turn_weight != 1.0 else ""  # in the IG arm's and results' names
-    for name, weight, turn in (("success", 0.0, []), ("ig", args.ig_weight, ["info_gain"])):
-        if name not in arms:
-            continue
-        t1 = time.perf_counter()
-        excluded = "-exclude" if args.missing_turn_rewards == "exclude" else ""
-        tag = f"-{args.turn_baseline}{excluded}{weighted}" if turn else ""
-        cfg = GRPOConfig(model=str(sft_dir), output_dir=str(out / f"grpo-{name}{tag}-s{args.seed}"), env="clarify",
-                         env_options={**opts, "info_gain_weight": weight}, turn_reward_components=turn,
-                         turn_baseline=args.turn_baseline if turn else "group",
-                         missing_turn_rewards=args.missing_turn_rewards if turn else "zero",
-                         gamma=args.gamma if turn else 1.0, turn_weight=args.turn_weight if turn else 1.0,
-                         max_steps=args.grpo_steps, learning_rate=args.lr,
-                         lr_scheduler="constant", prompts_per_step=8, num_generations=8, max_env_steps=max_turns,
-                         max_new_tokens=48, per_device_batch_size=16, seed=args.seed,
-                         train_seed_start=1_000_000, report_to="none", torch_threads=1,
-                         save_steps=min(eval_steps) if eval_steps else None)
-        runs[name] = train_grpo(cfg)
-        timings[f"grpo_{name}_s"] = time.perf_counter() - t1
     rows = []
-    seeds = range(10_000_000, 10_000_000 + args.eval_episodes)
-    temperatures = [float(t) for t in args.eval_temperatures.split(",")]
-    policies = [] if args.no_eval_sft else [("sft", sft_dir, temperatures)]
-    for k, r in runs.items():
-        for step in eval_steps:
-            if step < args.grpo_steps:
-                ckpt = r.output_dir / f"checkpoint-{step}"
-                if not ckpt.is_dir():
-                    raise SystemExit(f"--eval-steps {step}: no {ckpt} (steps must be multiples of the smallest)")
-                policies.append((f"grpo-{k}@{step}", ckpt, [t for t in temperatures if t > 0]))
-        policies.append((f"grpo-{k}", r.output_dir, temperatures))
-    for name, path, temps in policies:
-        client = HFClient.from_pretrained(path, max_batch_size=64)
+    for name, path, temps in _policies(config, ctx):
         for temp in temps:
-            params = SamplingParams(temperature=temp, max_tokens=64, seed=args.seed)
-            summary, _ = evaluate(client, lambda: make_env("clarify", **opts), seeds, name=name, params=params,
-                                  max_steps=max_turns, extra_keys=("questions", "uninformative_questions"))
-            rows.append({**summary.as_dict(), "temperature": temp})
-    table = Table(title=f"clarify ({args.task}): {args.eval_episodes} held-out episodes, GRPO seed {args.seed}")
+            spec = EvaluateStage(models={name: path}, env="clarify", env_options=config.env_options,
+                                 episodes=config.episodes, seed_start=10_000_000, temperature=temp,
+                                 sample_seed=config.seed, max_steps=config.max_turns,
+                                 extra_keys=["questions", "uninformative_questions"])
+            summary, _ = evaluate_model(name, path, spec)
+            rows.append({**summary, "temperature": temp})
+    table = Table(title=config.title)
     for col in ("policy", "eval", "success", "95% CI", "questions", "uninformative", "turns"):
         table.add_column(col)
     for r in sorted(rows, key=lambda r: r["temperature"]):
         table.add_row(r["name"], "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}",
                       f"{r['success']:.3f}", f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]", f"{r['questions']:.2f}",
                       f"{r['uninformative_questions']:.3f}", f"{r['mean_turns']:.2f}")
-    console.print(table)
-    seconds = time.perf_counter() - t0
-    result_file = out / (f"results-{'-'.join(arms)}-{args.turn_baseline}-{args.missing_turn_rewards}{weighted}"
-                         f"-s{args.seed}.json")
-    result_file.write_text(json.dumps(
-        {"rows": rows, "args": vars(args), "env_options": opts, "seconds": seconds, "timings": timings,
-         "history": {k: r.history for k, r in runs.items()}}, indent=2, default=str))
-    console.print(f"results: {result_file} ({seconds:.0f} s)")
+    Console().print(table)
+    history = {arm: ctx.outputs[f"grpo-{arm}"]["history"] for arm in config.arms}
+    Path(config.results).write_text(json.dumps({"rows": rows, "env_options": config.env_options, **config.extra,
+                                                "history": history}, indent=2, default=str))
+    ctx.log(f"results: {config.results}")
+    return {"rows": rows, "results": config.results}
 
 
-if __name__ == "__main__":
-    main()
+EVALUATE = StageKind(Evaluate, _evaluate, "greedy and sampled held-out evaluation of every policy")
