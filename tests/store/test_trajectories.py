@@ -103,7 +103,7 @@ def test_record_trajectories_is_one_transaction(store: RunStore):
 
 @contextmanager
 def _count_connections(store: RunStore, counter: list[int]):
-    original = store._connect
+    original = store._file.connect
 
     @contextmanager
     def counting(*args, **kwargs):
@@ -111,11 +111,11 @@ def _count_connections(store: RunStore, counter: list[int]):
         with original(*args, **kwargs) as con:
             yield con
 
-    store._connect = counting
+    store._file.connect = counting
     try:
         yield
     finally:
-        store._connect = original
+        del store._file.connect  # the method again
 
 
 def test_iter_trajectories_filters(store: RunStore):
