@@ -3,10 +3,12 @@
 Every ``import`` and ``from ... import`` counts, at module level, inside functions and under
 ``if TYPE_CHECKING:`` alike (a function-level import hides a cycle from the interpreter, not from a
 reader), and so does ``importlib.import_module("closedloop....")`` with a literal name. An edge
-goes to the most specific library module named: ``from closedloop.store import schema`` is an edge
-to ``closedloop.store.schema``, ``from closedloop.store import RunStore`` one to
-``closedloop.store``. A parent package's ``__init__`` that runs on the way is not an edge (a
-package importing its own submodules is how packages work, not a cycle).
+goes to the most specific library module named (``from closedloop.store import schema``: to
+``closedloop.store.schema``; ``from closedloop.store import RunStore``: to ``closedloop.store``)
+and to each package on the way whose ``__init__`` that import runs: ``closedloop.models``
+importing ``closedloop.store.redact`` runs ``closedloop/store/__init__.py`` and all it imports.
+A module's own enclosing packages are no edge (a package importing its submodules, and they
+their siblings, is how packages work).
 
 The layers (``ARCHITECTURE.md``): core (``closedloop/``) ← ``tools/``, ``memory/`` ← ``agents/`` ←
 ``graphs/`` ← ``evals/`` ← ``trainers/``; ``closedloop/cli``, ``closedloop/ui`` and
