@@ -175,7 +175,8 @@ def prepare_message(message: _Message, secrets: list[str], media: MediaSink | No
     """(role, redacted JSON, whether anything was redacted); with ``media``, image/audio parts
     become references and their bytes go to the sink (the store writes them in the rows'
     transaction)."""
-    return (message.role, *_message_json(message, secrets, media))  # type: ignore[attr-defined]  # every concrete message has one
+    role = message.role  # type: ignore[attr-defined]  # every concrete message has one
+    return (role, *_message_json(message, secrets, media))
 
 
 # LogprobSpec JSON by value: a batch has a handful of distinct specs, each serialised once.

@@ -108,8 +108,9 @@ def prepare_batch(defaults: RunDefaults, episodes: list[Episode], ids: list[str]
         traj = episode.trajectory
         run_id = traj.id
         meta = redacted_json(traj.metadata or {}, secrets)
-        out = redacted_json({"rewards": traj.rewards, **({"step_rewards": traj.step_rewards} if traj.step_rewards else {}),
-                             **(jsonable(episode.outcome) or {})}, secrets, keys=False, key_values=False)
+        steps = {"step_rewards": traj.step_rewards} if traj.step_rewards else {}
+        out = redacted_json({"rewards": traj.rewards, **steps, **(jsonable(episode.outcome) or {})}, secrets,
+                            keys=False, key_values=False)
         messages, turns, redacted = prepare_episode(traj.messages, traj.turns, secrets, sink)
         if sink.pending:
             media_refs += [(run_id, h) for h in sink.take()]

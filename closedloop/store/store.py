@@ -154,7 +154,7 @@ class RunStore:
 
     def _tx(self, fn: Callable[[duckdb.DuckDBPyConnection], T],
             before: Callable[[duckdb.DuckDBPyConnection], Any] | None = None, *, read_only: bool = False) -> T:
-        """``fn`` in one transaction (:meth:`StoreFile.transaction <closedloop.store.connection.StoreFile.transaction>`)."""
+        """``fn`` in one transaction (:meth:`closedloop.store.connection.StoreFile.transaction`)."""
         return self._file.transaction(fn, before, read_only=read_only)
 
     def _connect(self, deadline: float | None = None, *,
