@@ -379,7 +379,7 @@ class Tool:
         artifacts.mkdir(parents=True, exist_ok=True)
         from closedloop.paths import ROOTS_ENV, working_roots
 
-        from closedloop.store.redact import is_sensitive_key
+        from closedloop.redact import is_sensitive_key
         from closedloop.tool_models import MODELS_ENV, allowed_models
 
         env = {k: v for k, v in os.environ.items()

@@ -88,7 +88,7 @@ def check_model(value: str) -> str:
     """
     from closedloop.models import parse_spec
     from closedloop.paths import PathOutsideRoot, resolve_path
-    from closedloop.store.redact import redact_spec
+    from closedloop.redact import redact_spec
 
     if len(value) > _MAX_SPEC:  # before parsing: parse errors quote the spec
         raise ModelNotAllowed(f"a model spec of {len(value)} characters is not a usable model (at most {_MAX_SPEC})")

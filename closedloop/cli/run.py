@@ -73,7 +73,7 @@ async def _run(args: argparse.Namespace) -> int:
     import duckdb
 
     from closedloop.models.base import ModelError
-    from closedloop.store.redact import redact_text
+    from closedloop.redact import redact_text
 
     try:  # the store first (cheap), then the model (may load weights): each problem as one line
         store = _open_store(args)

@@ -34,7 +34,7 @@ class ModelSpec:
 
     def __str__(self) -> str:
         """The spec as printed and logged: credentials in the URL (``user:key@``, ``?api_key=``) redacted."""
-        from closedloop.store.redact import redact_spec
+        from closedloop.redact import redact_spec
 
         return redact_spec(f"{self.backend}:{self.model}" + (f"@{self.base_url}" if self.base_url else "")) or ""
 
@@ -48,7 +48,7 @@ def parse_spec(spec: str) -> ModelSpec:
     """``backend:model[@base_url]``; the backend is a plugin of ``closedloop.backends`` (built in:
     ``openai``, ``hf``, ``vllm``); the URL part is only meaningful for ``openai``."""
     from closedloop.plugins import registry
-    from closedloop.store.redact import redact_spec
+    from closedloop.redact import redact_spec
 
     backend, sep, rest = spec.partition(":")
     known = registry(BACKENDS_GROUP)

@@ -143,7 +143,7 @@ class OpenAIClient(ModelClient):
             key = "EMPTY"  # local servers accept any key
         # spec and url are what is shown and recorded (errors, LogprobSpec.backend, checkpoints, the store):
         # a base URL's ``user:key@`` or ``?api_key=`` is redacted there; only the SDK gets base_url itself.
-        from closedloop.store.redact import redact_spec
+        from closedloop.redact import redact_spec
 
         shown = redact_spec(self.base_url)
         self.spec = f"openai:{model}" + (f"@{shown}" if shown else "")

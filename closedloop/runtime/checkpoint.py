@@ -50,7 +50,7 @@ class _RedactingSerializer(JsonPlusSerializer):
 
     def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
         if isinstance(obj, BaseException):
-            from closedloop.store.redact import redact_text
+            from closedloop.redact import redact_text
 
             return super().dumps_typed(redact_text(repr(obj)))
         return super().dumps_typed(obj)

@@ -109,7 +109,7 @@ from closedloop.server.schemas import (ChatCompletion, ChatCompletionRequest, Ch
                                        ErrorResponse, LoadWeightsRequest, ModelCard, ModelList, ResponseFunctionCall,
                                        ResponseMessage, ResponseToolCall, TokenLogprob, UsageInfo, WeightsStatus)
 from closedloop.server.stream_text import VisibleText
-from closedloop.store.redact import redact_spec
+from closedloop.redact import redact_spec
 
 log = logging.getLogger("closedloop.server")
 

@@ -5,7 +5,7 @@ Default file: ``$CLOSEDLOOP_STORE`` or ``~/.closedloop/runs.duckdb`` (see :mod:`
 
 from closedloop.store.pricing import Price, cost_usd, price_for, register_price
 from closedloop.store.records import TERMINAL_STATUSES, RunRecord, RunStatus, RunSummary, ToolCallRecord
-from closedloop.store.redact import REDACTED, redact, redact_text
+from closedloop.redact import REDACTED, redact, redact_text
 from closedloop.store.schema import MIGRATIONS, SCHEMA_VERSION, StoreVersionError
 from closedloop.store.store import ActiveRun, RunNotFoundError, RunStateError, RunStore, StoreBusyError, StoreOpenError
 

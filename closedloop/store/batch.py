@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import json
 import os
@@ -33,20 +32,16 @@ import duckdb
 from pydantic_core import PydanticSerializationError
 
 from closedloop.messages import LogprobSpec, Turn, _Message
+from closedloop.redact import REDACTED, might_hold_secret, redact, redact_arguments, redact_text, redacted_message_json
 from closedloop.store.codec import encode_floats, encode_ids, encode_mask
 from closedloop.store.media import MediaSink, externalize_json, might_hold_media, might_hold_refs
-from closedloop.redact import REDACTED, might_hold_secret, redact, redact_arguments, redact_text, redacted_message_json
-from closedloop.store.schema import MESSAGE_COLUMNS, METRIC_COLUMNS, TOOL_CALL_COLUMNS, TURN_COLUMNS
+from closedloop.store.pricing import cost_usd, price_for
+from closedloop.store.schema import (MESSAGE_COLUMNS, METRIC_COLUMNS, RUN_COLUMNS, TOKEN_IDS_REDACTED,
+                                     TOOL_CALL_COLUMNS, TURN_COLUMNS, arrow_types)
 
 __all__ = ["gc_paused", "PreparedTurn", "PreparedToolCall", "PreparedEpisode", "prepare_turn", "prepare_message",
            "prepare_episode", "prepare_tool_call", "without_token_ids", "TOKEN_IDS_REDACTED", "storable", "turn_row",
            "RUN_COLUMNS", "Rows", "Pricer", "ensure_arrow", "arrow_ready"]
-
-# The columns a new run row is written with (the rest keep their defaults).
-RUN_COLUMNS = ("id", "kind", "graph", "model_spec", "config", "status", "pid", "hostname", "proc_start", "parent_id",
-               "closedloop_version", "started_at", "updated_at", "ended_at", "outcome", "error", "prompt_tokens",
-               "completion_tokens", "cost_usd", "tags", "metadata", "secrets_redacted")
-
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
@@ -115,10 +110,6 @@ class PreparedEpisode(NamedTuple):
     redacted: bool
 
 
-TOKEN_IDS_REDACTED = ("dropped by the run store: a credential was redacted from this turn's text or from the "
-                      "conversation before it, and its token ids still encoded it")
-
-
 def without_token_ids(turn: PreparedTurn) -> PreparedTurn:
     """The turn without token ids, logprobs and loss mask, untrainable, with the reason in
     ``unavailable["token_ids"]``.
@@ -184,7 +175,8 @@ def prepare_message(message: _Message, secrets: list[str], media: MediaSink | No
     """(role, redacted JSON, whether anything was redacted); with ``media``, image/audio parts
     become references and their bytes go to the sink (the store writes them in the rows'
     transaction)."""
-    return (message.role, *_message_json(message, secrets, media))
+    role = message.role  # type: ignore[attr-defined]  # every concrete message has one
+    return (role, *_message_json(message, secrets, media))
 
 
 # LogprobSpec JSON by value: a batch has a handful of distinct specs, each serialised once.
@@ -243,7 +235,8 @@ def prepare_turn(turn: Turn, secrets: list[str], message_json: str | None = None
             return redact_text(value, key_values=False, env_secrets=secrets) if value else value
 
         before = (model, finish, purpose, text)
-        model, finish, purpose, text = scrub(model), scrub(finish), scrub(purpose), scrub(text)
+        # model and purpose are str ("" at worst): scrub gives a str back for one
+        model, finish, purpose, text = scrub(model) or model, scrub(finish), scrub(purpose) or purpose, scrub(text)
         redacted = redacted or (model, finish, purpose, text) != before
         if turn.logprob_spec is not None:
             spec = turn.logprob_spec.model_copy(update={"backend": scrub(turn.logprob_spec.backend)}).model_dump_json()
@@ -296,7 +289,7 @@ def prepare_episode(messages: Sequence[_Message], turns: Sequence[Turn], secrets
     texts = [*jsons, *(j for j in turn_jsons if j is not None),
              *(_turn_texts(t, _spec_json(t.logprob_spec), u) for t, u in zip(turns, unavailable))]
     if not might_hold_secret("\0".join(texts), secrets):
-        return PreparedEpisode([(m.role, js) for m, js in zip(messages, jsons)],
+        return PreparedEpisode([(m.role, js) for m, js in zip(messages, jsons)],  # type: ignore[attr-defined]
                                [prepare_turn(t, secrets, js if js is not None else jsons[by_id[id(t.message)]],
                                              clean=True, unavailable=u)
                                 for t, js, u in zip(turns, turn_jsons, unavailable)], False)
@@ -313,7 +306,8 @@ def prepare_episode(messages: Sequence[_Message], turns: Sequence[Turn], secrets
                 else (js, False)
         after_secret = first is not None and (at is None or first <= at)
         prepared.append(prepare_turn(t, secrets, own, message_redacted=own_redacted or after_secret, unavailable=u))
-    return PreparedEpisode([(m.role, js) for m, (js, _) in zip(messages, checked)], prepared,
+    return PreparedEpisode([(m.role, js) for m, (js, _) in zip(messages, checked)],  # type: ignore[attr-defined]
+                           prepared,
                            first is not None or any(p.redacted for p in prepared))
 
 
@@ -366,12 +360,10 @@ class Pricer:
     name is done once. A custom ``price_fn`` is called per turn, as documented."""
 
     def __init__(self, price_fn: Callable[[str, int, int], float | None]) -> None:
-        from closedloop.store import pricing
-
         self._fn = price_fn
-        self._default = price_fn is pricing.cost_usd
+        self._default = price_fn is cost_usd
         self._prices: dict[str, Any] = {}
-        self._lookup = pricing.price_for
+        self._lookup = price_for
 
     def __call__(self, model: str, prompt_tokens: int, completion_tokens: int) -> float | None:
         if not self._default:
@@ -412,7 +404,7 @@ def ensure_arrow() -> bool:
             import pyarrow as pa
 
             pa.array([0], type=pa.int32())
-            _arrow_types()
+            arrow_types()
         except (ImportError, RuntimeError):
             return False
         _ARROW_READY = True
@@ -450,34 +442,6 @@ def _forget_warming_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_warming_in_child)
-
-
-@functools.lru_cache(maxsize=1)
-def _arrow_types() -> dict[str, dict[str, Any]]:
-    import pyarrow as pa
-
-    ts = pa.timestamp("us")
-    return {
-        "runs": {"id": pa.string(), "kind": pa.string(), "graph": pa.string(), "model_spec": pa.string(),
-                 "config": pa.string(), "status": pa.string(), "pid": pa.int32(), "hostname": pa.string(),
-                 "proc_start": pa.int64(), "parent_id": pa.string(), "closedloop_version": pa.string(),
-                 "started_at": ts, "updated_at": ts, "ended_at": ts, "outcome": pa.string(), "error": pa.string(),
-                 "prompt_tokens": pa.int64(), "completion_tokens": pa.int64(), "cost_usd": pa.float64(),
-                 "tags": pa.list_(pa.string()), "metadata": pa.string(), "secrets_redacted": pa.bool_()},
-        "messages": {"run_id": pa.string(), "idx": pa.int32(), "role": pa.string(), "json": pa.string()},
-        "turns": {"run_id": pa.string(), "idx": pa.int32(), "model": pa.string(), "message": pa.string(),
-                  "prompt_ids": pa.binary(), "completion_ids": pa.binary(), "logprobs": pa.binary(),
-                  "loss_mask": pa.binary(),
-                  "completion_text": pa.string(), "finish_reason": pa.string(), "prompt_tokens": pa.int64(),
-                  "completion_tokens": pa.int64(), "cost_usd": pa.float64(), "latency_s": pa.float64(),
-                  "created_at": ts, "logprob_spec": pa.string(), "trainable": pa.bool_(), "purpose": pa.string(),
-                  "unavailable": pa.string(), "media": pa.string()},
-        "tool_calls": {"run_id": pa.string(), "idx": pa.int32(), "turn_idx": pa.int32(), "call_id": pa.string(),
-                       "name": pa.string(), "arguments": pa.string(), "result": pa.string(), "error": pa.string(),
-                       "error_kind": pa.string(), "latency_s": pa.float64(), "created_at": ts},
-        "metrics": {"run_id": pa.string(), "step": pa.int64(), "name": pa.string(), "value": pa.float64(),
-                    "created_at": ts},
-    }
 
 
 _COLUMNS = {"runs": RUN_COLUMNS, "messages": MESSAGE_COLUMNS, "turns": TURN_COLUMNS, "tool_calls": TOOL_CALL_COLUMNS,
@@ -524,7 +488,7 @@ class Rows:
                 continue
             import pyarrow as pa
 
-            types = _arrow_types()
+            types = arrow_types()
             columns = list(zip(*rows))  # column-major, in C
             arrow = pa.table({name: pa.array(values, type=types[table][name])
                               for name, values in zip(_COLUMNS[table], columns)})

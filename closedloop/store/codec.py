@@ -30,14 +30,15 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 __all__ = ["encode_ids", "encode_floats", "encode_mask", "decode_ids", "decode_floats", "decode_mask",
            "decode_turn_arrays", "BLOB_KINDS", "turn_arrays_to_lists", "list_column_to_blob"]
 
 _LITTLE = sys.byteorder == "little"
-_INT32 = next(code for code in "ilh" if array(code).itemsize == 4)
-assert array("d").itemsize == 8 and array("b").itemsize == 1
+_INT32: Literal["i", "l"] = "i" if array("i").itemsize == 4 else "l"
+assert array(_INT32).itemsize == 4 and array("d").itemsize == 8 and array("b").itemsize == 1
+_Code = Literal["i", "l", "d", "b"]  # the ``array`` typecodes of the stored columns
 
 # column -> ``array`` typecode of its elements
 BLOB_KINDS: dict[str, str] = {"prompt_ids": _INT32, "completion_ids": _INT32, "logprobs": "d", "loss_mask": "b"}
@@ -84,7 +85,7 @@ def encode_mask(values: Sequence[int] | None, what: str = "loss_mask") -> bytes 
     return raw if raw.isascii() else _pack("b", values, what)  # 128..255 is not int8
 
 
-def _unpack(code: str, blob: bytes) -> list[Any]:
+def _unpack(code: _Code, blob: bytes) -> list[Any]:
     if _LITTLE:
         return memoryview(blob).cast(code).tolist()
     a = array(code)

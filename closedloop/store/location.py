@@ -8,10 +8,15 @@ and a store must never overwrite a user's file), a parent that is a file. A miss
 created only when the caller asks (``RunStore(create_dirs=True)``) or for the default location
 (``$CLOSEDLOOP_STORE`` or ``~/.closedloop/runs.duckdb``): a mistyped ``--store`` path must not
 leave a tree of new directories behind.
+
+:func:`check_store_path` is the one check: ``RunStore`` runs it on open, and a caller that
+validates a path ahead of opening it (a trainer's config: a store to write to, or one to read a
+dataset from with ``must_exist=True``) calls it too, rather than restating the rule.
 """
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
@@ -23,8 +28,12 @@ _DUCKDB_MAGIC = b"DUCK"  # bytes 8..12 of every DuckDB database file
 _MAGIC_AT = 8
 
 
-def check_store_path(path: Path, *, create_dirs: bool = False) -> Path:
-    """``path`` if a store can be opened or created there (see the module docstring), else StoreOpenError."""
+def check_store_path(path: str | os.PathLike[str], *, create_dirs: bool = False, must_exist: bool = False) -> Path:
+    """``path`` (``~`` expanded) if a store can be opened or created there (see the module
+    docstring), else :class:`StoreOpenError` (a ``ValueError``). ``must_exist``: only an existing
+    store will do (a store to read from); ``create_dirs``: create a missing directory. Nothing is
+    created or written unless ``create_dirs`` is given."""
+    path = Path(path).expanduser()
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -49,6 +58,8 @@ def check_store_path(path: Path, *, create_dirs: bool = False) -> Path:
             raise StoreOpenError(f"run store path {path} {what}, not a DuckDB database; give an existing run "
                                  "store or a path that does not exist yet")
         return path
+    if must_exist:
+        raise StoreOpenError(f"run store path {path}: no such run store (the file does not exist)")
     parent = path.parent
     if parent.is_dir():
         return path

@@ -7,19 +7,25 @@ the version bump, so a crash mid-migration leaves the file at the last complete 
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Callable
+from typing import Any, Callable
 
 import duckdb
 
 from closedloop.store.records import utcnow
 
-__all__ = ["SCHEMA_VERSION", "MIGRATIONS", "TABLES", "TURN_COLUMNS", "MESSAGE_COLUMNS", "TOOL_CALL_COLUMNS",
-           "METRIC_COLUMNS", "StoreVersionError", "migrate", "current_version", "version_on_file", "target_version"]
+__all__ = ["SCHEMA_VERSION", "MIGRATIONS", "TABLES", "RUN_COLUMNS", "TURN_COLUMNS", "MESSAGE_COLUMNS",
+           "TOOL_CALL_COLUMNS", "METRIC_COLUMNS", "TOKEN_IDS_REDACTED", "StoreVersionError", "migrate",
+           "current_version", "version_on_file", "target_version", "arrow_types"]
 
 
 class StoreVersionError(RuntimeError):
     """The file was written by a newer closedloop than this one."""
+
+
+TOKEN_IDS_REDACTED = ("dropped by the run store: a credential was redacted from this turn's text or from the "
+                      "conversation before it, and its token ids still encoded it")
 
 
 _V1 = [
@@ -151,15 +157,15 @@ def _v2_to_v3(con: duckdb.DuckDBPyConnection) -> None:
     the old one's name. One-time cost: roughly what reading those turns back costs.
     """
     con.execute(_TURNS_V3)
-    top = con.execute("SELECT max(rowid) FROM turns").fetchone()[0]
+    row = con.execute("SELECT max(rowid) FROM turns").fetchone()
+    top = row[0] if row is not None else None
     cols = ", ".join(_TURN_COLUMNS_V3)
     if top is not None:  # a fresh file has nothing to copy and need not import pyarrow
         import pyarrow as pa
 
-        from closedloop.store.batch import _arrow_types
         from closedloop.store.codec import list_column_to_blob
 
-        types = _arrow_types()["turns"]
+        types = arrow_types()["turns"]
     for lo in range(0, -1 if top is None else top + 1, _MIGRATION_CHUNK):
         rows = con.execute(f"SELECT {cols} FROM turns WHERE rowid >= ? AND rowid < ? ORDER BY rowid",
                            [lo, lo + _MIGRATION_CHUNK]).fetchall()
@@ -206,7 +212,7 @@ def _v3_to_v4(con: duckdb.DuckDBPyConnection) -> None:
             f"SELECT rowid FROM {table} WHERE contains({column}::VARCHAR, '\"image_url\"') OR "
             f"contains({column}::VARCHAR, '\"input_audio\"') ORDER BY rowid").fetchall()]
         for lo in range(0, len(ids), _MEDIA_MIGRATION_CHUNK):  # rows with media are big: a few at a time
-            sink, updates, pairs = MediaSink(), [], set()
+            sink, updates, pairs = MediaSink(), [], set[tuple[str, str]]()
             for rowid, run_id, text in con.execute(
                     f"SELECT rowid, run_id, {column}::VARCHAR FROM {table} WHERE rowid IN "
                     "(SELECT unnest(?::BIGINT[]))", [ids[lo:lo + _MEDIA_MIGRATION_CHUNK]]).fetchall():
@@ -230,8 +236,6 @@ def _v4_to_v5(con: duckdb.DuckDBPyConnection) -> None:
     :func:`closedloop.store.batch.without_token_ids`). Runs of an older file are judged by the
     marker in their stored text, and all their turns lose their ids.
     """
-    from closedloop.store.batch import TOKEN_IDS_REDACTED
-
     con.execute("""CREATE TABLE metrics_v5 (
         run_id VARCHAR NOT NULL,
         step BIGINT NOT NULL,
@@ -269,6 +273,10 @@ MESSAGE_COLUMNS = ("run_id", "idx", "role", "json")
 TOOL_CALL_COLUMNS = ("run_id", "idx", "turn_idx", "call_id", "name", "arguments", "result", "error", "error_kind",
                      "latency_s", "created_at")
 METRIC_COLUMNS = ("run_id", "step", "name", "value", "created_at")
+# The columns a new run row is written with (the rest keep their defaults).
+RUN_COLUMNS = ("id", "kind", "graph", "model_spec", "config", "status", "pid", "hostname", "proc_start", "parent_id",
+               "closedloop_version", "started_at", "updated_at", "ended_at", "outcome", "error", "prompt_tokens",
+               "completion_tokens", "cost_usd", "tags", "metadata", "secrets_redacted")
 
 
 def _schema_version() -> int:
@@ -324,3 +332,33 @@ def migrate(con: duckdb.DuckDBPyConnection) -> int:
         except BaseException:
             con.execute("ROLLBACK")
             raise
+
+
+@functools.lru_cache(maxsize=1)
+def arrow_types() -> dict[str, dict[str, Any]]:
+    """Each table's columns as Arrow types: the types a bulk insert (:class:`~closedloop.store.batch.Rows`)
+    and the v2 -> v3 migration hand DuckDB. pyarrow is imported on the first call."""
+    import pyarrow as pa
+
+    ts = pa.timestamp("us")
+    return {
+        "runs": {"id": pa.string(), "kind": pa.string(), "graph": pa.string(), "model_spec": pa.string(),
+                 "config": pa.string(), "status": pa.string(), "pid": pa.int32(), "hostname": pa.string(),
+                 "proc_start": pa.int64(), "parent_id": pa.string(), "closedloop_version": pa.string(),
+                 "started_at": ts, "updated_at": ts, "ended_at": ts, "outcome": pa.string(), "error": pa.string(),
+                 "prompt_tokens": pa.int64(), "completion_tokens": pa.int64(), "cost_usd": pa.float64(),
+                 "tags": pa.list_(pa.string()), "metadata": pa.string(), "secrets_redacted": pa.bool_()},
+        "messages": {"run_id": pa.string(), "idx": pa.int32(), "role": pa.string(), "json": pa.string()},
+        "turns": {"run_id": pa.string(), "idx": pa.int32(), "model": pa.string(), "message": pa.string(),
+                  "prompt_ids": pa.binary(), "completion_ids": pa.binary(), "logprobs": pa.binary(),
+                  "loss_mask": pa.binary(),
+                  "completion_text": pa.string(), "finish_reason": pa.string(), "prompt_tokens": pa.int64(),
+                  "completion_tokens": pa.int64(), "cost_usd": pa.float64(), "latency_s": pa.float64(),
+                  "created_at": ts, "logprob_spec": pa.string(), "trainable": pa.bool_(), "purpose": pa.string(),
+                  "unavailable": pa.string(), "media": pa.string()},
+        "tool_calls": {"run_id": pa.string(), "idx": pa.int32(), "turn_idx": pa.int32(), "call_id": pa.string(),
+                       "name": pa.string(), "arguments": pa.string(), "result": pa.string(), "error": pa.string(),
+                       "error_kind": pa.string(), "latency_s": pa.float64(), "created_at": ts},
+        "metrics": {"run_id": pa.string(), "step": pa.int64(), "name": pa.string(), "value": pa.float64(),
+                    "created_at": ts},
+    }

@@ -132,7 +132,7 @@ def results_dict(simulations: list[SimulationRun], tasks: list[Task], info: RunI
                                      "policy": _policy(info), "tool_defs": None,
                                      **{k: v for k, v in info.environment_info.items()
                                         if k not in ("domain_name", "policy", "tool_defs")}}
-    from closedloop.store.redact import redact
+    from closedloop.redact import redact
 
     # Model specs in ``info`` (``openai:m@http://user:key@host``) and keys echoed in messages or
     # errors never reach the exported file; simulations get the content rules (field names kept).

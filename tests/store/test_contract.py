@@ -161,7 +161,7 @@ def test_failed_write_leaves_no_partial_rows(store: RunStore):
     """A logical write is one transaction: a failure after some inserts rolls all of them back."""
     rid = store.start_run()
     calls = {"n": 0}
-    import closedloop.store.store as impl
+    import closedloop.store.writes as impl
 
     original = impl._insert_message
 

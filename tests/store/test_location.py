@@ -71,3 +71,20 @@ def test_commands_print_one_line_for_a_bad_store(tmp_path, argv, case):
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("error: run store path") and str(path) in proc.stderr
     assert not (tmp_path / "no").exists() and not (tmp_path / "out").exists()
+
+
+def test_check_store_path_is_the_rule_callers_can_run_before_opening(tmp_path):
+    """``check_store_path`` is what a trainer's config check calls (a store to write, or with
+    ``must_exist`` one to read a dataset from): the same rule and messages as opening, creating nothing."""
+    from closedloop.store.location import check_store_path
+
+    for path, message in _bad_paths(tmp_path).values():
+        with pytest.raises(StoreOpenError, match=message):
+            check_store_path(str(path))
+    new = tmp_path / "new.duckdb"
+    assert check_store_path(str(new)) == new and not new.exists()
+    with pytest.raises(StoreOpenError, match="no such run store") as info:
+        check_store_path(new, must_exist=True)
+    assert str(new) in str(info.value) and isinstance(info.value, ValueError)
+    RunStore(new).close()
+    assert check_store_path(new, must_exist=True) == new

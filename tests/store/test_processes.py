@@ -37,7 +37,7 @@ def test_sigkilled_writer_shows_as_killed_with_its_turn(store_path):
 # Dies inside the transaction of log_messages, after the first of three inserts.
 CRASH_MID_WRITE = """
 import os, signal, sys
-import closedloop.store.store as impl
+import closedloop.store.writes as impl
 from closedloop.messages import UserMessage
 from closedloop.store import RunStore
 

@@ -184,7 +184,7 @@ def test_a_forked_child_does_not_write_its_parents_queue_again(store_path):
     store.log_step(rid, [UserMessage(content="once")])
     pid = os.fork()
     if pid == 0:  # the child runs what a normal exit runs (the store's atexit flush), then leaves
-        from closedloop.store.store import _flush_at_exit
+        from closedloop.store.queued import _flush_at_exit
 
         try:
             _flush_at_exit()

@@ -103,7 +103,7 @@ def test_record_trajectories_is_one_transaction(store: RunStore):
 
 @contextmanager
 def _count_connections(store: RunStore, counter: list[int]):
-    original = store._connect
+    original = store._file.connect
 
     @contextmanager
     def counting(*args, **kwargs):
@@ -111,11 +111,11 @@ def _count_connections(store: RunStore, counter: list[int]):
         with original(*args, **kwargs) as con:
             yield con
 
-    store._connect = counting
+    store._file.connect = counting
     try:
         yield
     finally:
-        store._connect = original
+        del store._file.connect  # the method again
 
 
 def test_iter_trajectories_filters(store: RunStore):
@@ -164,3 +164,19 @@ def test_iter_trajectories_reads_500_runs_with_a_bounded_number_of_connections(s
     assert all(len(t.turns) == 1 and len(t.messages) == 4 for t in back)
     assert back[123].turns[0].prompt_ids == episodes[123].turns[0].prompt_ids
     assert back[123].turns[0].message == episodes[123].turns[0].message
+
+
+def test_list_runs_and_iter_trajectories_share_one_run_filter(store: RunStore):
+    """One filter for both (``list_runs`` lacked ``model_spec``): every filter selects the same runs
+    either way, model specs compared as stored (a credential in the spec is redacted on both sides)."""
+    a = _episode("t0", 1.0, seed=1)
+    b = _episode("t1", 0.0, seed=2)
+    store.record_trajectories([a], kind="train", graph="react", tags=["x"], model_spec="openai:m@http://u:k@h/v1")
+    store.record_trajectories([b], kind="eval", graph="react", model_spec="hf:tiny")
+    filters = [{"model_spec": "openai:m@http://u:k@h/v1"}, {"model_spec": "hf:tiny"}, {"kind": "eval"},
+               {"graph": "react", "tag": "x"}, {"status": "completed", "model_spec": "nothing"}]
+    for f in filters:
+        assert {r.id for r in store.list_runs(**f)} == {t.id for t in store.iter_trajectories(**f)}, f
+    assert [r.id for r in store.list_runs(model_spec="hf:tiny")] == [b.id]
+    [found] = store.list_runs(model_spec="openai:m@http://u:k@h/v1")  # found by what the caller knows
+    assert found.id == a.id and "u:k" not in (found.model_spec or "")  # though stored redacted
