@@ -31,9 +31,8 @@ Targets are named ``"package.module:function"`` and resolved in the child with t
 
 Sessions (:func:`open_sandboxed`): the same sandbox, kept running while the caller talks to the
 target over a private socket (the target gets ``channel_fd=``): a judge can drive untrusted code
-call by call without sharing a process with it. :func:`process_tree`, :func:`stop_processes`
-and :func:`resume_processes` let the caller inspect and pause it from outside (``/proc`` and
-signals, which the sandboxed code cannot forge).
+call by call without sharing a process with it. :func:`process_tree` and :func:`task_count` let
+the caller inspect it from outside (``/proc``, which the sandboxed code cannot forge).
 
 Fork-server mode (``preload=[modules]``, used by the KernelBench worker; the default stays the
 fresh interpreter): a zygote started like the child above (``python -I``, scrubbed environment,
@@ -72,7 +71,7 @@ from pydantic import BaseModel, Field
 
 __all__ = ["SandboxLimits", "SandboxResult", "SandboxSession", "run_sandboxed", "arun_sandboxed", "open_sandboxed",
            "isolation_available", "shutdown_fork_servers", "owned_tempdir", "reap_stale", "process_tree",
-           "task_count", "stop_processes", "resume_processes", "bounded_json_loads"]
+           "task_count", "bounded_json_loads"]
 
 _CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE, signal.SIGTRAP}
@@ -308,42 +307,6 @@ def task_count(pid: int) -> int:
         return len(os.listdir(f"/proc/{pid}/task"))
     except OSError:
         return 0
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "X"
-
-
-def stop_processes(pids: Sequence[int], *, wait_s: float = 10.0) -> bool:
-    """SIGSTOP ``pids`` and wait until each is stopped (or gone). True when all are; they run no
-    instruction until :func:`resume_processes`. Why: a judge writes a candidate's next inputs
-    while the candidate cannot look at them."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGSTOP)
-        except ProcessLookupError:
-            pass
-    end = time.monotonic() + wait_s
-    pending = list(pids)
-    while pending:
-        pending = [p for p in pending if _state(p) not in ("T", "t", "X", "Z")]
-        if pending:
-            if time.monotonic() > end:
-                return False
-            time.sleep(0.0002)
-    return True
-
-
-def resume_processes(pids: Sequence[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
 
 
 def bounded_json_loads(text: str | bytes, *, max_depth: int = MAX_RESULT_DEPTH) -> Any:

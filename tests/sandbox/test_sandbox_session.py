@@ -1,5 +1,5 @@
-"""Sessions (``open_sandboxed``): a sandboxed target the caller talks to over a private channel,
-inspects through ``/proc`` and pauses with signals, in both the spawn and fork-server modes."""
+"""Sessions (``open_sandboxed``): a sandboxed target the caller talks to over a private channel
+and inspects through ``/proc``, in both the spawn and fork-server modes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from closedloop.sandbox import (SandboxLimits, open_sandboxed, process_tree, resume_processes, stop_processes,
-                                task_count)
+from closedloop.sandbox import SandboxLimits, open_sandboxed, process_tree, task_count
 
 HERE = str(Path(__file__).parent)
 
@@ -25,10 +24,6 @@ def preload(request):
     return ["json"] if request.param == "fork" else None
 
 
-def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
 async def test_session_talks_over_its_channel_and_returns(preload):
     async with open_sandboxed("sandbox_targets:channel_echo", limits=limits(), preload=preload) as s:
         f = s.channel.makefile("rwb")
@@ -39,8 +34,6 @@ async def test_session_talks_over_its_channel_and_returns(preload):
         tree = process_tree(s.pid)
         assert s.pid in tree and target in tree
         assert task_count(target) >= 1
-        assert stop_processes([target]) and _state(target) in ("T", "t")
-        resume_processes([target])
         f.write(b"again\n")
         f.flush()
         assert f.readline() == b"AGAIN\n"
