@@ -222,14 +222,14 @@ class _Server:
 
     # ---------------------------------------------------------------- calls
     def generate(self, msg: dict, fds: list[int]) -> dict:
-        """Draw one call's inputs per seed (``get_inputs`` under that seed, then ``vary``) and
-        write them one after another into the arena."""
+        """Draw one call's inputs per seed (``get_inputs`` under that seed, then ``vary`` with that
+        call's variant) and write them one after another into the arena."""
         assert self.module is not None and self.mm is not None
-        variant, base = int(msg["variant"]), int(msg["offset"])
+        base = int(msg["offset"])
         limit, pos, descs, sizes = base + int(msg["capacity"]), base, [], []
-        for seed in msg["seeds"]:
+        for seed, variant in zip(msg["seeds"], msg["variants"]):
             _seed(int(seed))
-            inputs = vary(list(self.module.get_inputs()), variant, int(seed))
+            inputs = vary(list(self.module.get_inputs()), int(variant), int(seed))
             try:
                 desc, used = self._write(inputs, pos, limit)
             except ArenaFull as full:

@@ -115,7 +115,10 @@ class Arena:
     def resize(self, size: int) -> None:
         size = max(align(size), 1 << 16)
         if self.mm is not None:
-            self.mm.close()
+            try:
+                self.mm.close()
+            except BufferError:  # a view of it is still alive somewhere: the mapping goes with it
+                pass
         os.ftruncate(self.fd, size)
         self.mm = mmap.mmap(self.fd, size)
         self.size = size
@@ -128,7 +131,10 @@ class Arena:
 
     def close(self) -> None:
         if self.mm is not None:
-            self.mm.close()
+            try:
+                self.mm.close()
+            except BufferError:
+                pass
             self.mm = None
         os.close(self.fd)
 

@@ -22,16 +22,10 @@ import pytest
 
 from closedloop.sandbox import SandboxLimits, bounded_json_loads, reap_stale, run_sandboxed
 
+from .test_sandbox import _alive
+
 HERE = Path(__file__).parent
 MODES = ["spawn", "fork"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _wait_for(cond, what: str, bound_s: float = 120.0) -> None:

@@ -340,7 +340,7 @@ return relu_ext.relu_forward(x)
 
 
 def test_infinite_loop_segfault_and_memory(kb_cache, problems):
-    lim = config(kb_cache).limits.model_copy(update={"cpu_s": 15, "wall_s": 40})
+    lim = config(kb_cache).limits.model_copy(update={"cpu_s": 4, "wall_s": 40})
     assert run(kb_cache, problems[1], candidate("while True:\n    pass"), limits=lim).status == "timeout"
     seg = run(kb_cache, problems[1], candidate("ctypes.string_at(0)", prelude="import ctypes\n"))
     assert seg.status == "runtime_error" and "crash" in seg.message, seg.message

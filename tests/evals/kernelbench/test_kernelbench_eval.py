@@ -13,6 +13,7 @@ import pytest
 
 from closedloop.evals.kernelbench import wire
 from closedloop.evals.kernelbench.buildcache import BuildCache, CacheError
+from closedloop.evals.kernelbench.compare import Verdict, compare
 from closedloop.evals.kernelbench.evaluate import KernelEvaluator
 from closedloop.evals.kernelbench.policy import check_policy
 from closedloop.evals.kernelbench.problems import Problem, extract_code, load_problems, problems_from_rows, scale_source
@@ -261,3 +262,32 @@ def test_timing_statistics():
     assert median_halfwidth(loose * 4) < median_halfwidth(loose)
     lo, hi, hw = speedup_interval(2.0, loose, tight)
     assert lo < 2.0 < hi and hw == pytest.approx(median_halfwidth(loose), rel=0.05)
+
+
+def test_compare_agrees_with_torch_allclose():
+    """The parent's one-pass closeness test decides exactly as ``torch.allclose(equal_nan=True)``
+    (KernelBench's rule), NaNs and infinities included."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    for k in range(200):
+        r = torch.randn(40, generator=g)
+        o = r + torch.randn(40, generator=g) * [0.0, 1e-4, 1e-2, 5e-2][k % 4]
+        if k % 3 == 0:
+            o[k % 40] = float("nan")
+        if k % 5 == 0:
+            r[(k + 1) % 40] = float("nan")
+        if k % 7 == 0:
+            o[2] = r[2] = float("inf")
+        if k % 11 == 0:
+            o[3] = float("-inf")
+        expected = torch.allclose(o, r, rtol=1e-2, atol=1e-2, equal_nan=True)
+        if expected:
+            compare(o, r, [None], [None], atol=1e-2, rtol=1e-2, where="t")
+        else:
+            with pytest.raises(Verdict):
+                compare(o, r, [None], [None], atol=1e-2, rtol=1e-2, where="t")
+    ints = torch.arange(10)
+    compare(ints, ints.clone(), [None], [None], atol=1e-2, rtol=1e-2, where="t")
+    with pytest.raises(Verdict, match="differs"):
+        compare(ints + (ints == 3), ints, [None], [None], atol=1e-2, rtol=1e-2, where="t")
