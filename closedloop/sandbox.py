@@ -878,8 +878,19 @@ class SandboxSession:
             self._result = res
         return self._result
 
-    async def close(self) -> SandboxResult:
-        """Kill the sandbox if it still runs and return its result."""
+    async def close(self, grace_s: float = 0.0) -> SandboxResult:
+        """End the session and return its result: close the channel (a target that serves it
+        returns), give the target ``grace_s`` to exit on its own, then kill what still runs."""
+        if self.running and grace_s > 0:
+            try:
+                self.channel.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            assert self._exited is not None
+            try:
+                await asyncio.wait_for(asyncio.shield(self._exited), timeout=grace_s)
+            except (asyncio.TimeoutError, RuntimeError):
+                pass
         if self.running:
             self.kill()
         return await self.result()

@@ -9,32 +9,33 @@ Three sandboxes (``serve.py``), each forked from the fork server, each with its 
 
 The reference and the candidate processes do the very same work between their forwards, so
 neither comes to its turn warmer than the other (drawing inputs in the reference process made it
-15-20% faster on small problems).
+15-20% faster on small problems). They are pinned to the same CPUs and take turns (two virtual
+CPUs of a shared machine can differ in speed for minutes); the inputs process and the parent's
+thread keep to the other CPUs where there are others.
 
-The parent never runs candidate code. For each batch of calls it takes fresh inputs from the
-inputs process, and for each side in turn (seeded beforehand): reads the side's CPU clock (the
-kernel's account of the process, all its threads, read from outside), writes the inputs into the
-side's arena, times *go* (the forwards) and *collect* (the outputs written out) on that CPU clock
-and on its own wall clock, reads the outputs from the arena and checks that the inputs were not
-modified, and only then reads the CPU clock again: whatever the side does with its inputs, early
-or late, is counted. CPU the candidate spends outside its turns (an honest one waits for its
-next request) is a policy violation: that is how it could slow the reference down. The parent compares the outputs (``compare.py``) and computes the timings
-(``timing.py``). Every call is checked, timed or not, and every call has new inputs, drawn after
-the candidate's outputs for the previous call were received: a value-keyed cache never hits, and
-a candidate that is right only on some calls is found out.
+The parent never runs candidate code. For each batch of calls, and for each side in turn (seeded
+beforehand), it reads the side's CPU clock (the kernel's account of the process, all its threads,
+read from outside), writes the inputs into the side's arena, times *go* (the forwards) and
+*collect* (the outputs written out) on that CPU clock and on its own wall clock, reads the
+outputs from the arena and checks that the inputs were not modified, and only then reads the CPU
+clock again: whatever the side does with its inputs, early or late, is counted. CPU the
+candidate spends outside its turns (an honest one waits for its next request) is a policy
+violation: that is how it could slow the reference down. After every batch the parent also checks
+from outside (``/proc``) that the candidate started no process, ran no child, runs no more
+threads than allowed and kept its CPUs. It compares the outputs itself (``compare.py``) and
+computes the timings (``timing.py``). Nothing the candidate writes reaches the reference, the
+comparison or the clock.
 
-From outside (``/proc``) the parent also checks after every call that the candidate process
-started no process and runs no more threads than allowed. Nothing the candidate writes reaches
-the reference, the comparison or the clock.
-
-Plan: ``warmup`` calls (they size the timed batches), ``trials`` calls on varied input
-distributions (KernelBench's correctness trials), ``iters`` timed batches (again if their spread
-is too wide), one final call on varied inputs. A timed batch is ``n`` calls (each on its own fresh
-inputs) run back to back in one request, ``n`` chosen so the reference works ``batch_ms`` per
-batch: the parent's request round trips (tens of microseconds, more on a loaded machine) would
-otherwise swamp the forwards of small problems. Every output of a batch is checked for
-structure, shape and dtype, and two of them, picked by a generator the candidate cannot predict
-once the outputs are in, for values; trials and the final call are checked in full.
+Every call has inputs of its own, timed calls included, so a value-keyed cache never hits; the
+trials and the final call are drawn after the candidate's outputs for the calls before them were
+received (timed batches are drawn a few ahead, while others run). Plan: ``warmup`` calls (they
+size the timed batches), ``trials`` calls on three input distributions (KernelBench's correctness
+trials), ``iters`` timed batches (again if the speedup's interval is too wide), one final call.
+A timed batch is ``n`` calls run back to back in one request, ``n`` chosen so the reference works
+``batch_ms`` per batch: the request round trips would otherwise swamp the forwards of small
+problems. Every output of a batch is checked for structure, shape and dtype, and two of them,
+picked by a generator the candidate never observes, for values; the warm-up, the trials and the
+final call are checked in full.
 """
 
 from __future__ import annotations
@@ -60,11 +61,11 @@ SERVE_MODULE = "closedloop.evals.kernelbench.serve"
 _TORCH_DTYPES = {name: getattr(torch, name) for name in wire.DTYPES}
 _SEED_BITS = 31
 MAX_BATCH = 32  # calls per timed batch (each has inputs of its own: drawing them is the cost)
-CALIBRATION_CALLS = 4
 MAX_BATCH_BYTES = 64 << 20  # inputs and outputs of one timed batch
 GEN_CHUNK_BYTES = 32 << 20  # inputs drawn in one request (up to 8 batches ahead)
-#: CPU the candidate may spend outside its turns: a little, for the return to its request loop.
 RETIME_REACH = 1.5  # re-time when the interval is at most this many times too wide
+CLOSE_GRACE_S = 2.0  # for a sandbox to return once its channel is closed
+#: CPU the candidate may spend outside its turns: a little, for the return to its request loop.
 IDLE_CPU_MS = 20.0
 IDLE_CPU_SHARE = 0.05
 
@@ -703,7 +704,10 @@ async def judge(req: JudgeRequest, limits: SandboxLimits, *, fork_server: bool =
         finally:
             for peer in (gen, ref, cand):
                 peer.close()
-        cand_res = await cand_s.close()
+        # an honest process returns when its channel closes (and its CPU is accounted to the fork
+        # server like any finished sandbox's); one that does not is killed
+        _, _, cand_res = await asyncio.gather(gen_s.close(CLOSE_GRACE_S), ref_s.close(CLOSE_GRACE_S),
+                                              cand_s.close(CLOSE_GRACE_S))
     info = {"status": cand_res.status, "wall_s": round(cand_res.wall_s, 3), "cpu_s": cand_res.cpu_s,
             "max_rss_mb": cand_res.max_rss_mb, "signal": cand_res.signal, "enforced": cand_res.enforced,
             "notes": cand_res.notes, "calls_checked": conv.calls}
