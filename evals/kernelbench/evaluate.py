@@ -73,7 +73,7 @@ class KernelEvalConfig(BaseModel):
     suspicious_speedup: float = 10.0
     # A speedup whose 90% interval is wider than +/- this is re-timed once, then marked unstable
     # (no reward may use it; see timing.py).
-    max_uncertainty: float = 0.1
+    max_uncertainty: float = 0.15
     retime: bool = True
     cache_dir: str | None = None
     compile_workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1))

@@ -60,7 +60,7 @@ SERVE = "closedloop.evals.kernelbench.serve:serve"
 SERVE_MODULE = "closedloop.evals.kernelbench.serve"
 _TORCH_DTYPES = {name: getattr(torch, name) for name in wire.DTYPES}
 _SEED_BITS = 31
-MAX_BATCH = 32  # calls per timed batch (each has inputs of its own: drawing them is the cost)
+MAX_BATCH = 128  # calls per timed batch (each has inputs of its own: drawing them is the cost)
 MAX_BATCH_BYTES = 64 << 20  # inputs and outputs of one timed batch
 GEN_CHUNK_BYTES = 32 << 20  # inputs drawn in one request (up to 8 batches ahead)
 RETIME_REACH = 1.5  # re-time when the interval is at most this many times too wide
@@ -88,7 +88,7 @@ class JudgeRequest:
     timing: bool = True
     compile_reference: bool = False
     profile: bool = False
-    max_uncertainty: float = 0.1
+    max_uncertainty: float = 0.15
     retime: bool = True
     batch_ms: float = 2.0  # reference work per timed batch (see _Conversation._batch_size)
 
@@ -621,8 +621,12 @@ class _Conversation:
             side = {}
             for c, label in ((clock, "credited"), (1 - clock, "other")):
                 ref_calls = [t["reference"][c] for t in timed]
-                fixed = self.overhead if c == 0 else 0
-                ns = [max(1, x - fixed) // self.batch for x in credited([t[name][c] for t in timed], ref_calls)]
+                # the request's own cost comes off, but never more than half the reference's batch
+                # (a noisy estimate must not turn small batches into nothing), and never a batch
+                # below a tenth of what was measured
+                fixed = min(self.overhead, sorted(r.go for r in ref_calls)[len(ref_calls) // 2] // 2) if c == 0 else 0
+                ns = [max(x - fixed, x // 10, 1) // self.batch
+                      for x in credited([t[name][c] for t in timed], ref_calls)]
                 side[label] = stats(ns)
                 if label == "credited":
                     per_call[name] = ns

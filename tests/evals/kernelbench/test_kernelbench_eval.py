@@ -17,14 +17,15 @@ from closedloop.evals.kernelbench.compare import Verdict, compare
 from closedloop.evals.kernelbench.evaluate import KernelEvaluator
 from closedloop.evals.kernelbench.policy import check_policy
 from closedloop.evals.kernelbench.problems import Problem, extract_code, load_problems, problems_from_rows, scale_source
-from closedloop.evals.kernelbench.timing import CallTime, credited, median_halfwidth, speedup_interval
+from closedloop.evals.kernelbench.timing import SYSTEMATIC, CallTime, credited, median_halfwidth, speedup_interval
 from closedloop.evals.kernelbench.tools import make_kernel_tools
 
 from .conftest import KERNEL, PROBLEMS, RELU_OK, config
 
 #: The reference judged against itself comes out at 1.0x within this, unless marked unstable
-#: (measured on a 2-vCPU machine at load ~10: 0.94-1.14 over 30 runs).
-SELF_CHECK_TOLERANCE = 0.15
+#: (88 KernelBench level-1 problems at 1/64 on a 2-vCPU machine at load ~5: all correct results
+#: within 0.85-1.25, sd 0.07; a stable result's 90% interval is within +/-15%).
+SELF_CHECK_TOLERANCE = 0.25
 
 
 def test_load_problems_layout_and_rows(tmp_path):
@@ -253,15 +254,20 @@ def test_channel_refuses_oversized_and_deep_messages():
 
 
 def test_timing_statistics():
-    # collect time beyond the reference's median is charged to the forward
+    # collect time beyond the reference's, at the median, is charged to the forward
     ref = [CallTime(go=100, collect=10)] * 5
-    assert credited([CallTime(go=50, collect=10), CallTime(go=50, collect=500)], ref) == [50, 540]
+    late = [CallTime(go=50, collect=10), CallTime(go=50, collect=500), CallTime(go=50, collect=500)]
+    assert credited(late, ref) == [540] * 3  # median collect 500, the reference's 10
+    assert credited([CallTime(go=50, collect=5)] * 3, ref) == [50] * 3  # never a credit
+    assert credited(ref, ref) == [100] * 5
     # a distribution-free interval for the median narrows as samples agree and grow
     tight, loose = [100] * 9 + [101] * 11, list(range(50, 150, 5))
     assert median_halfwidth(tight) < 0.01 < median_halfwidth(loose)
     assert median_halfwidth(loose * 4) < median_halfwidth(loose)
     lo, hi, hw = speedup_interval(2.0, loose, tight)
-    assert lo < 2.0 < hi and hw == pytest.approx(median_halfwidth(loose), rel=0.05)
+    expected = (median_halfwidth(loose) ** 2 + median_halfwidth(tight) ** 2 + (1.645 * SYSTEMATIC) ** 2) ** 0.5
+    assert lo < 2.0 < hi and hw == pytest.approx(expected)
+    assert speedup_interval(1.0, tight * 10, tight * 10)[2] >= 1.645 * SYSTEMATIC  # never narrower than that
 
 
 def test_compare_agrees_with_torch_allclose():
