@@ -41,7 +41,7 @@ MAX_SPECS = 8
 IGNORED_OPTIONS = ("build_directory", "verbose")
 
 
-class CacheError(RuntimeError):
+class CacheError(ValueError):
     """The cache directory is unsafe (owned by someone else, writable by others, a symlink)."""
 
 
