@@ -1,10 +1,17 @@
 """The sandboxed side of :mod:`closedloop.sandbox` (stdlib only; runs before any target code).
 
-Run as ``python -I _sandbox_child.py REQUEST.json``. It applies the limits to itself (rlimits,
-Landlock write confinement), imports ``package.module:function``, calls it and writes a JSON
-result next to the request. The parent never unpickles anything from here: JSON only.
+Run as ``python -I _sandbox_child.py REQUEST.json``. The process forks: the parent stays a
+supervisor that runs no target code (PID 1 of the sandbox's PID namespace when there is one) and
+the child applies the limits to itself (rlimits, Landlock write confinement), imports
+``package.module:function``, calls it and writes a JSON result next to the request. The parent
+never unpickles anything from here: JSON only.
 
-It ends with ``os._exit`` so that threads a hostile target left behind cannot keep the
+Why a supervisor: sandboxed work must not outlive its caller nor run without a clock when the
+caller is gone (SIGKILLed, SIGTERMed, hung). The supervisor kills the work when the wall-clock
+deadline passes (enforced here, not only by the caller) and when the caller's lifeline pipe
+reports EOF (every process holding its write end, i.e. the caller, has exited).
+
+The worker ends with ``os._exit`` so that threads a hostile target left behind cannot keep the
 interpreter alive after the result is written.
 """
 
@@ -19,6 +26,7 @@ import os
 import resource
 import signal
 import sys
+import time
 import traceback
 
 # Landlock (Linux >= 5.13): confine writes to the working directories. Reads stay allowed:
@@ -152,7 +160,80 @@ def main() -> None:
     if sys.argv[1] == "--zygote":
         zygote_main(int(sys.argv[2]), json.loads(sys.argv[3]))
     else:
-        run_request(sys.argv[1])
+        launch(sys.argv[1])
+
+
+def launch(request_path: str) -> None:
+    """Spawn path: fork the worker and supervise it (see the module docstring). Never returns."""
+    with open(request_path) as fh:
+        req = json.load(fh)
+    supervisor = os.getpid()
+    worker = os.fork()
+    if worker == 0:
+        _die_with_parent(supervisor)
+        run_request(request_path)
+    if req.get("channel_fd") is not None:
+        os.close(int(req["channel_fd"]))  # the worker's; a copy here would hide its exit from the caller
+    os._exit(supervise(worker, req.get("deadline_s"), req.get("lifeline_fd")))
+
+
+def supervise(child: int, deadline_s: float | None, lifeline: int | None) -> int:
+    """Wait for ``child`` (reaping any other child meanwhile, as a PID 1 must) and return its
+    shell-style exit code (128 + N when signal N killed it). Kill it when ``deadline_s`` passes or
+    when ``lifeline`` (a pipe's read end) reports EOF: the caller, the only holder of the write
+    end, has exited. Outside a PID namespace the whole process group is killed too (this
+    process included), since the namespace's teardown is not there to do it."""
+    import select
+
+    rd, wr = os.pipe()
+    os.set_blocking(rd, False)
+    os.set_blocking(wr, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wr)
+    end = None if deadline_s is None else time.monotonic() + float(deadline_s)
+    while True:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return 127
+            if pid == 0:
+                break
+            if pid == child:
+                return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        left = None if end is None else end - time.monotonic()
+        if left is not None and left <= 0:
+            return _kill_supervised(child)
+        fds = [rd] + ([lifeline] if lifeline is not None else [])
+        try:
+            ready = select.select(fds, [], [], left)[0]
+        except InterruptedError:
+            continue
+        if lifeline is not None and lifeline in ready:
+            try:
+                data = os.read(lifeline, 64)
+            except OSError:
+                data = b""
+            if not data:
+                return _kill_supervised(child)
+        if rd in ready:
+            try:
+                os.read(rd, 4096)
+            except BlockingIOError:
+                pass
+
+
+def _kill_supervised(child: int) -> int:
+    try:
+        os.kill(child, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if os.getpid() != 1:  # no PID namespace to tear down: the group goes, this process with it
+        try:
+            os.killpg(0, signal.SIGKILL)
+        except OSError:
+            pass
+    return 128 + signal.SIGKILL
 
 
 def run_request(request_path: str) -> None:
@@ -160,6 +241,11 @@ def run_request(request_path: str) -> None:
     main_pid = os.getpid()
     with open(request_path) as fh:
         req = json.load(fh)
+    if req.get("lifeline_fd") is not None:
+        try:
+            os.close(int(req["lifeline_fd"]))  # the supervisor watches it; the target has no use for it
+        except OSError:
+            pass
     result_path = req["result_path"]
     enforced = _set_rlimits(req["limits"])
     enforced.update(_landlock(req["writable"], deny_network=not req["limits"].get("network", False)))
@@ -169,7 +255,10 @@ def run_request(request_path: str) -> None:
     out: dict
     try:
         fn = _resolve(req["target"])
-        value = fn(*req["args"], **req["kwargs"])
+        kwargs = dict(req["kwargs"])
+        if req.get("channel_fd") is not None:
+            kwargs["channel_fd"] = int(req["channel_fd"])
+        value = fn(*req["args"], **kwargs)
         if inspect.isawaitable(value):
             value = asyncio.run(_await(value))
         out = {"status": "ok", "value_json": _jsonable(value)}
@@ -204,24 +293,33 @@ async def _await(aw):
 # - the zygote never runs target code: it only imports the named (trusted) modules, then loops
 #   reading requests from its control socket, forking and reaping; every child is single-use
 #   and exits with os._exit, so nothing a target does reaches the zygote or a later call;
-# - the child closes every inherited descriptor (the control socket included) before it
-#   applies any limit or runs the target, so a target cannot ask the zygote for anything;
+# - the child closes every inherited descriptor (the control socket included; a session's
+#   channel, passed with the request, is kept as fd 3) before it applies any limit or runs the
+#   target, so a target cannot ask the zygote for anything;
 # - the child applies the same isolation as the spawn path, in the same order: own session,
 #   the pids cgroup, new user + network + PID namespaces (unshare(2) directly; the PID
-#   namespace's init is a small waiter, as the ``sh`` of the spawn path), the scrubbed
-#   environment, rlimits, Landlock; the parent keeps the wall clock and kills the group.
+#   namespace's init is a small reaper), the scrubbed environment, rlimits, Landlock;
+# - the child (C1) stays a supervisor, as in the spawn path: it kills the work at the wall-clock
+#   deadline even if the caller is gone, and dies with the zygote (PR_SET_PDEATHSIG), which
+#   exits as soon as its caller's end of the control socket closes.
 # ---------------------------------------------------------------------------------------------
 
 _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 _PR_SET_PDEATHSIG = 1
+CHANNEL_FD = 3  # where a forked child keeps a session's channel
 
 
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _die_with_parent() -> None:
-    _libc().prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL when the forking process dies
+def _die_with_parent(parent: int | None) -> None:
+    """SIGKILL when the forking process dies; exit now if it already has (the race prctl leaves).
+    ``parent`` None: no check (the init of a new PID namespace sees its parent as PID 0; it shares
+    the supervisor's process group, which every kill from outside targets)."""
+    _libc().prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    if parent is not None and os.getppid() != parent:
+        os._exit(125)
 
 
 def _enter_namespaces() -> None:
@@ -249,20 +347,23 @@ def _wait_code(pid: int) -> int:
             return os.WEXITSTATUS(status)
 
 
-def _fork_child(msg: dict) -> None:
+def _fork_child(msg: dict, channel: int | None, zygote: int) -> None:
     """In the forked child (C1). Never returns."""
     try:
         os.setsid()
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
-        _die_with_parent()
+        _die_with_parent(zygote)
         fd_in = os.open(os.devnull, os.O_RDONLY)
         fd_out = os.open(msg["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         fd_err = os.open(msg["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         for src, dst in ((fd_in, 0), (fd_out, 1), (fd_err, 2)):
             os.dup2(src, dst)
-        os.closerange(3, 1 << 16)  # the control socket first of all: the target must not reach the zygote
+        if channel is not None:
+            os.dup2(channel, CHANNEL_FD)
+        # the control socket first of all: the target must not reach the zygote
+        os.closerange(CHANNEL_FD + (channel is not None), 1 << 16)
         if msg.get("cgroup"):
             with open(os.path.join(msg["cgroup"], "cgroup.procs"), "w") as fh:
                 fh.write(str(os.getpid()))
@@ -275,14 +376,20 @@ def _fork_child(msg: dict) -> None:
         sys.argv = ["sandbox"]
         if msg.get("use_ns"):
             _enter_namespaces()
-            init = os.fork()  # PID 1 of the new namespace: a waiter, as sh in the spawn path
-            if init:
-                os._exit(_wait_code(init))
-            _die_with_parent()
+        supervisor = os.getpid()
+        child = os.fork()  # PID 1 of the new namespace when there is one
+        if child:
+            if channel is not None:
+                os.close(CHANNEL_FD)
+            os._exit(supervise(child, msg.get("deadline_s"), None))
+        _die_with_parent(None if msg.get("use_ns") else supervisor)
+        if msg.get("use_ns"):
             worker = os.fork()
-            if worker:
+            if worker:  # init: reaps orphans; when it exits the kernel ends the whole namespace
+                if channel is not None:
+                    os.close(CHANNEL_FD)
                 os._exit(_wait_code(worker))
-            _die_with_parent()
+            _die_with_parent(1)
         run_request(msg["request"])
     except BaseException as exc:  # noqa: BLE001 - the setup failed: say so on stderr, no result
         try:
@@ -293,10 +400,12 @@ def _fork_child(msg: dict) -> None:
 
 
 def zygote_main(sock_fd: int, config: dict) -> None:
-    """Serve fork requests (one JSON line each) on ``sock_fd`` until it closes."""
+    """Serve fork requests (one JSON line each, a session's channel passed alongside with
+    SCM_RIGHTS) on ``sock_fd`` until it closes or the caller exits."""
     import select
     import socket
 
+    caller, zygote = os.getppid(), os.getpid()
     sys.path[:] = list(config["sys_path"])
     for name in config.get("preload", []):
         importlib.import_module(name)
@@ -309,11 +418,23 @@ def zygote_main(sock_fd: int, config: dict) -> None:
     sock.sendall((json.dumps({"ready": True, "pid": os.getpid(), "threads": threads}) + "\n").encode())
     running: dict[int, int] = {}
     buf = b""
+    fds: list[int] = []
+
+    def stop() -> None:  # the caller is gone: end what is left, then this server
+        for pid in running:
+            try:
+                os.killpg(pid, 9)
+            except OSError:
+                pass
+        os._exit(0)
+
     while True:
         try:
             ready = select.select([sock.fileno(), rd], [], [], 1.0)[0]
         except InterruptedError:
             ready = []
+        if os.getppid() != caller:
+            stop()
         if rd in ready:
             try:
                 os.read(rd, 4096)
@@ -331,23 +452,22 @@ def zygote_main(sock_fd: int, config: dict) -> None:
             if call is not None:
                 sock.sendall((json.dumps({"id": call, "exit": code}) + "\n").encode())
         if sock.fileno() in ready:
-            data = sock.recv(1 << 20)
-            if not data:  # the parent closed the socket (or exited): stop, killing what is left
-                for pid in running:
-                    try:
-                        os.killpg(pid, 9)
-                    except OSError:
-                        pass
-                os._exit(0)
+            data, got, _, _ = socket.recv_fds(sock, 1 << 20, 16)
+            fds += got
+            if not data:  # the parent closed the socket (or exited)
+                stop()
             buf += data
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
                 msg = json.loads(line)
+                channel = fds.pop(0) if msg.get("channel") and fds else None
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _fork_child(msg)
+                    _fork_child(msg, channel, zygote)
+                if channel is not None:
+                    os.close(channel)
                 running[pid] = msg["id"]
                 sock.sendall((json.dumps({"id": msg["id"], "pid": pid}) + "\n").encode())
 

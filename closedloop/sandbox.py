@@ -12,7 +12,14 @@ What the child gets (each item reported in ``SandboxResult.enforced`` when the O
   own user namespace, where the count is the sandbox's own; a ``pids`` cgroup where one is
   writable, which also holds for root, whom RLIMIT_NPROC exempts);
 - a wall-clock timeout that kills the whole process group (and the PID namespace when there is
-  one, so a child that calls ``setsid`` dies too);
+  one, so a child that calls ``setsid`` dies too), enforced twice: by the caller, and inside the
+  sandbox by a supervisor process that runs no target code (``wall_s`` plus a grace), so the
+  work stops on time even when the caller is gone or stuck;
+- no life after the caller: the supervisor kills the work when the caller exits (a lifeline
+  pipe whose write end only the caller holds; the fork server's children die with the server,
+  which exits when its caller's control socket closes); temporary directories and cgroups are
+  named after their owner's PID, and those of owners that died without cleaning up (SIGKILL,
+  SIGTERM) are removed at the next start;
 - a scrubbed environment: PATH, HOME and TMPDIR pointing at the working directory, one thread
   per math library, and only the variables named in ``SandboxLimits.env``;
 - no network (a new network namespace through ``unshare -rn``) where user namespaces work;
@@ -21,6 +28,11 @@ What the child gets (each item reported in ``SandboxResult.enforced`` when the O
 
 Targets are named ``"package.module:function"`` and resolved in the child with the caller's
 ``sys.path``; a :class:`closedloop.tool.Tool` target calls its ``.fn``.
+
+Sessions (:func:`open_sandboxed`): the same sandbox, kept running while the caller talks to the
+target over a private socket (the target gets ``channel_fd=``): a judge can drive untrusted code
+call by call without sharing a process with it. :func:`process_tree` and :func:`task_count` let
+the caller inspect it from outside (``/proc``, which the sandboxed code cannot forge).
 
 Fork-server mode (``preload=[modules]``, used by the KernelBench worker; the default stays the
 fresh interpreter): a zygote started like the child above (``python -I``, scrubbed environment,
@@ -39,9 +51,11 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -51,17 +65,24 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, AsyncIterator, Literal, Sequence
 
 from pydantic import BaseModel, Field
 
-__all__ = ["SandboxLimits", "SandboxResult", "run_sandboxed", "arun_sandboxed", "isolation_available",
-           "shutdown_fork_servers"]
+__all__ = ["SandboxLimits", "SandboxResult", "SandboxSession", "run_sandboxed", "arun_sandboxed", "open_sandboxed",
+           "isolation_available", "shutdown_fork_servers", "owned_tempdir", "reap_stale", "process_tree",
+           "task_count", "bounded_json_loads"]
 
 _CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE, signal.SIGTRAP}
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                 "VECLIB_MAXIMUM_THREADS")
+#: How much longer than ``wall_s`` the in-sandbox supervisor waits: the caller's own clock, which
+#: reports "timeout", normally fires first; the supervisor's is for a caller that is gone or stuck.
+SUPERVISOR_GRACE_S = 5.0
+#: Deepest nesting accepted in a sandbox's JSON result (a deeper one is an error, never a crash).
+MAX_RESULT_DEPTH = 64
+_CHANNEL_FD = 3  # where a fork-server child keeps a session's channel (see _sandbox_child.CHANNEL_FD)
 
 
 class SandboxLimits(BaseModel):
@@ -151,7 +172,8 @@ def _make_cgroup(processes: int) -> Path | None:
     root = _pids_cgroup_root()
     if root is None:
         return None
-    path = root / f"closedloop-sandbox-{os.getpid()}-{os.urandom(6).hex()}"
+    reap_stale()
+    path = root / f"closedloop-sandbox-{_owner_tag()}-{os.urandom(6).hex()}"
     try:
         path.mkdir()
         (path / "pids.max").write_text(str(processes))
@@ -180,6 +202,130 @@ def _remove_cgroup(path: Path | None) -> None:
             time.sleep(0.02)
 
 
+# ------------------------------------------------------------------ ownership and reaping
+# A caller killed by SIGKILL or SIGTERM runs no cleanup. Everything it creates on disk (temporary
+# directories, pids cgroups) is named ``closedloop-<kind>-<pid>.<pidns>-<random>``; whoever starts
+# next removes the entries whose owner is no longer alive (same PID namespace, same user).
+_OWNED = re.compile(r"^closedloop-([a-z]+)-(\d+)\.(\d+)-")
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _owner_tag() -> str:
+    return f"{os.getpid()}.{_pid_namespace()}"
+
+
+def owned_tempdir(kind: str) -> Path:
+    """A fresh private temporary directory (mode 0700) named after this process, so that it is
+    removed by :func:`reap_stale` in a later process if this one dies without removing it."""
+    if not re.fullmatch(r"[a-z]+", kind):
+        raise ValueError(f"kind must be lowercase letters, got {kind!r}")
+    reap_stale()
+    return Path(tempfile.mkdtemp(prefix=f"closedloop-{kind}-{_owner_tag()}-"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_REAPED: set[int] = set()
+
+
+def reap_stale(force: bool = False) -> list[str]:
+    """Remove the temporary directories and cgroups of sandbox owners that died without cleaning
+    up (run once per process on first use; ``force`` runs it again). Returns what was removed."""
+    if os.getpid() in _REAPED and not force:
+        return []
+    _REAPED.add(os.getpid())
+    ns, uid, removed = _pid_namespace(), os.getuid(), []
+    roots = [Path(tempfile.gettempdir())]
+    cgroup_root = _pids_cgroup_root()
+    if cgroup_root is not None:
+        roots.append(cgroup_root)
+    for root in roots:
+        try:
+            entries = list(os.scandir(root))
+        except OSError:
+            continue
+        for entry in entries:
+            m = _OWNED.match(entry.name)
+            if m is None or int(m.group(3)) != ns or _alive(int(m.group(2))):
+                continue
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid or not entry.is_dir(follow_symlinks=False):
+                    continue
+            except OSError:
+                continue
+            if root == cgroup_root:
+                _remove_cgroup(Path(entry.path))
+            else:
+                shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+# ------------------------------------------------------------------ the caller's view of a sandbox
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every live descendant (host PIDs, read from ``/proc``; nothing the sandboxed
+    code says). Empty when ``pid`` is gone."""
+    out: list[int] = []
+    todo = [pid]
+    seen: set[int] = set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        out.append(p)
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as fh:
+                    todo += [int(x) for x in fh.read().split()]
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def task_count(pid: int) -> int:
+    """Threads of process ``pid`` (0 when it is gone)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
+def bounded_json_loads(text: str | bytes, *, max_depth: int = MAX_RESULT_DEPTH) -> Any:
+    """``json.loads`` that raises ``ValueError`` (never ``RecursionError``) on input nested
+    deeper than ``max_depth``: for JSON written by code that is not trusted."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than the interpreter's recursion limit (max {max_depth})") from None
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (list, dict)):
+            if depth > max_depth:
+                raise ValueError(f"JSON nested deeper than {max_depth} levels")
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return value
+
+
 def _scrubbed_env(work: Path, limits: SandboxLimits) -> dict[str, str]:
     bin_dir = os.path.dirname(sys.executable)
     path = os.pathsep.join([bin_dir, os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")])
@@ -201,9 +347,14 @@ def isolation_available() -> dict[str, bool]:
 
 
 class _Prepared:
-    """Directories, request file, environment and command of one sandboxed call."""
+    """Directories, request file, environment and command of one sandboxed call.
 
-    def __init__(self, target: str, args: tuple, kwargs: dict, limits: SandboxLimits, cwd: str | Path | None):
+    ``fork``: the call runs in a child of the fork server (its channel, if any, is passed to the
+    zygote and kept as fd 3); otherwise in a fresh interpreter started from ``cmd``. ``channel``:
+    a session (:func:`open_sandboxed`) with a socket pair between caller and target."""
+
+    def __init__(self, target: str, args: tuple, kwargs: dict, limits: SandboxLimits, cwd: str | Path | None,
+                 *, fork: bool = False, channel: bool = False):
         if not isinstance(target, str) or ":" not in target:
             raise ValueError(f"target must look like 'package.module:function', got {target!r}")
         try:
@@ -212,7 +363,7 @@ class _Prepared:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"sandboxed call arguments must be JSON-serialisable: {exc}") from None
         self.limits = limits
-        self.root = Path(tempfile.mkdtemp(prefix="closedloop-sandbox-"))
+        self.root = owned_tempdir("sandbox")
         self.own_cwd = cwd is None
         self.work = self.root / "work" if cwd is None else Path(cwd).resolve()
         self.work.mkdir(parents=True, exist_ok=True)
@@ -224,6 +375,16 @@ class _Prepared:
         sys_path = limits.python_path if limits.python_path is not None else [
             os.path.abspath(p) if p else os.getcwd() for p in sys.path]
         self.sys_path = sys_path
+        self.parent_end: socket.socket | None = None
+        self.child_end: socket.socket | None = None
+        if channel:
+            self.parent_end, self.child_end = socket.socketpair()
+        # The spawn path's supervisor watches this pipe: EOF means the caller (the only holder of
+        # the write end, which is close-on-exec) has exited. The fork server has its own socket.
+        self.lifeline_r: int | None = None
+        self.lifeline_w: int | None = None
+        if not fork:
+            self.lifeline_r, self.lifeline_w = os.pipe()
         child_limits = limits.model_dump(include={"cpu_s", "memory_mb", "open_files", "file_size_mb",
                                                    "processes", "network"})
         child_limits["_own_user_ns"] = self.use_ns
@@ -231,20 +392,35 @@ class _Prepared:
         request = {"target": target, "args": args_json, "kwargs": kwargs_json, "sys_path": sys_path,
                    "limits": child_limits, "result_path": str(self.result_path),
                    "enforced_path": str(self.enforced_path),
+                   "deadline_s": limits.wall_s + SUPERVISOR_GRACE_S, "lifeline_fd": self.lifeline_r,
+                   "channel_fd": None if self.child_end is None else (
+                       _CHANNEL_FD if fork else self.child_end.fileno()),
                    "writable": [str(self.work), str(self.io)] + [str(Path(p).resolve()) for p in limits.writable_paths]}
         (self.io / "request.json").write_text(json.dumps(request))
         self.env = self._env()
         cmd = [sys.executable, "-I", _CHILD, str(self.io / "request.json")]
         if self.use_ns:
-            # sh is PID 1 of the new PID namespace (PID 1 ignores default-action signals, so the
-            # interpreter must not be it); when it exits, every process in the namespace dies.
-            cmd = [shutil.which("unshare") or "unshare", "-rn", "--pid", "--fork", "--kill-child",
-                   "/bin/sh", "-c", '"$@"; exit $?', "sandbox"] + cmd
+            # the interpreter's supervisor is PID 1 of the new PID namespace: when it exits, every
+            # process in the namespace dies (--kill-child: so does it when unshare dies)
+            cmd = [shutil.which("unshare") or "unshare", "-rn", "--pid", "--fork", "--kill-child"] + cmd
         self.cgroup = _make_cgroup(limits.processes) if limits.processes else None
         if self.cgroup is not None:
             # join the cgroup before anything else runs (the shell writes its own PID, then execs)
             cmd = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(self.cgroup)] + cmd
         self.cmd = cmd
+
+    def pass_fds(self) -> list[int]:
+        """Descriptors the spawned child inherits (at the same numbers)."""
+        return [fd for fd in (self.lifeline_r, self.child_end.fileno() if self.child_end else None) if fd is not None]
+
+    def close_child_fds(self) -> None:
+        """The caller's copies of the child's ends, once the child (or the zygote) has its own."""
+        if self.lifeline_r is not None:
+            os.close(self.lifeline_r)
+            self.lifeline_r = None
+        if self.child_end is not None:
+            self.child_end.close()
+            self.child_end = None
 
     def _env(self) -> dict[str, str]:
         return _scrubbed_env(self.work, self.limits)
@@ -253,7 +429,8 @@ class _Prepared:
         """What the fork server's child needs besides the request file (see ``_sandbox_child``)."""
         return {"request": str(self.io / "request.json"), "cwd": str(self.work), "env": self.env,
                 "stdout": str(self.stdout_path), "stderr": str(self.stderr_path),
-                "cgroup": str(self.cgroup) if self.cgroup is not None else None, "use_ns": self.use_ns}
+                "cgroup": str(self.cgroup) if self.cgroup is not None else None, "use_ns": self.use_ns,
+                "deadline_s": self.limits.wall_s + SUPERVISOR_GRACE_S, "channel": self.child_end is not None}
 
     def open_outputs(self):
         return open(self.stdout_path, "wb"), open(self.stderr_path, "wb")
@@ -289,6 +466,8 @@ class _Prepared:
         enforced["network"] = (not self.limits.network) and self.use_ns
         enforced["pid_namespace"] = self.use_ns
         enforced["wall_clock"] = True
+        enforced["wall_clock_inside"] = True  # the supervisor's deadline, with or without the caller
+        enforced["dies_with_caller"] = True
         if self.cgroup is not None:
             enforced["processes"] = True
         notes: list[str] = []
@@ -306,8 +485,8 @@ class _Prepared:
         if returncode is not None:
             if returncode < 0:
                 sig = -returncode
-            elif self.use_ns and returncode > 128:
-                sig = returncode - 128  # sh reports a signalled child as 128 + N
+            elif returncode > 128:
+                sig = returncode - 128  # the supervisor reports a signalled worker as 128 + N
         common["signal"] = signal.Signals(sig).name if sig and sig in signal.Signals._value2member_map_ else None
         if timed_out:
             return SandboxResult(status="timeout", error_type="Timeout",
@@ -318,19 +497,32 @@ class _Prepared:
             if self.result_path.stat().st_size > self.limits.result_bytes:
                 return SandboxResult(status="error", error_type="ResultTooLarge",
                                      error_message=f"result over {self.limits.result_bytes} bytes", **common)
-            data = json.loads(self.result_path.read_text())
-        except (OSError, ValueError):
+            data = bounded_json_loads(self.result_path.read_bytes())
+        except OSError:
             data = None
+        except ValueError as exc:  # JSON the target (or code it runs) wrote: malformed, or nested to crash us
+            return SandboxResult(status="error", error_type="InvalidResult", error_message=str(exc), **common)
+        if data is not None and not isinstance(data, dict):
+            return SandboxResult(status="error", error_type="InvalidResult", error_message="result is not an object",
+                                 **common)
         if data is not None:
-            common.update(cpu_s=data.get("cpu_s"), max_rss_mb=data.get("max_rss_mb"))
+            usage = {k: data.get(k) if isinstance(data.get(k), (int, float)) else None for k in ("cpu_s", "max_rss_mb")}
+            common.update(usage)
             if data.get("status") == "ok":
-                return SandboxResult(status="ok", value=json.loads(data["value_json"]), **common)
+                try:
+                    value = bounded_json_loads(data["value_json"]) if isinstance(data.get("value_json"), str) else None
+                except ValueError as exc:
+                    return SandboxResult(status="error", error_type="InvalidResult", error_message=str(exc), **common)
+                return SandboxResult(status="ok", value=value, **common)
             status = data.get("status", "error")
-            msg = data.get("error_message") or ""
+            if status not in ("error", "memory_exceeded"):
+                status = "error"
+            msg = str(data.get("error_message") or "")[:4000]
             if status == "error" and ("can't allocate memory" in msg or "std::bad_alloc" in msg):
                 status = "memory_exceeded"
-            return SandboxResult(status=status, error_type=data.get("error_type"), error_message=msg,
-                                 traceback_tail=data.get("traceback_tail"), **common)
+            tb = data.get("traceback_tail")
+            return SandboxResult(status=status, error_type=str(data.get("error_type"))[:200], error_message=msg,
+                                 traceback_tail=str(tb)[-4000:] if tb is not None else None, **common)
         # No result: the process died before it could report.
         tail = common["stderr"][-2000:]
         kind: Status
@@ -351,6 +543,13 @@ class _Prepared:
         return SandboxResult(status=kind, error_type=kind, error_message=message, traceback_tail=tail or None, **common)
 
     def cleanup(self) -> None:
+        self.close_child_fds()
+        for sock in (self.parent_end,):
+            if sock is not None:
+                sock.close()
+        if self.lifeline_w is not None:
+            os.close(self.lifeline_w)
+            self.lifeline_w = None
         _remove_cgroup(self.cgroup)
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -366,7 +565,7 @@ class _ForkServer:
     call. It runs trusted code only; see the security notes in ``_sandbox_child``."""
 
     def __init__(self, preload: tuple[str, ...], sys_path: list[str], limits: SandboxLimits):
-        self.home = Path(tempfile.mkdtemp(prefix="closedloop-zygote-"))
+        self.home = owned_tempdir("zygote")
         ours, theirs = socket.socketpair()
         config = {"sys_path": sys_path, "preload": list(preload)}
         self._log = open(self.home / "zygote.log", "wb")
@@ -411,14 +610,17 @@ class _ForkServer:
                 if not fut.done():
                     fut.set_exception(RuntimeError("the sandbox fork server exited"))
 
-    def submit(self, message: dict[str, Any]) -> _ForkCall:
+    def submit(self, message: dict[str, Any], fds: Sequence[int] = ()) -> _ForkCall:
+        """Ask for one fork; ``fds`` (a session's channel) travel with the message (SCM_RIGHTS)."""
         call = _ForkCall()
         with self._lock:
             if self.dead:
                 raise RuntimeError("the sandbox fork server exited")
             self._next += 1
             self._calls[self._next] = call
-            self.sock.sendall((json.dumps({"id": self._next, **message}) + "\n").encode())
+            data = (json.dumps({"id": self._next, **message}) + "\n").encode()
+            sent = socket.send_fds(self.sock, [data], list(fds)) if fds else 0
+            self.sock.sendall(data[sent:])
         return call
 
     def close(self) -> None:
@@ -542,7 +744,7 @@ def run_sandboxed(target: str, /, *args: Any, limits: SandboxLimits | None = Non
     (it is then writable and kept).
     """
     limits = limits or SandboxLimits()
-    prep = _Prepared(target, args, kwargs, limits, cwd)
+    prep = _Prepared(target, args, kwargs, limits, cwd, fork=preload is not None)
     try:
         if preload is not None:
             return _run_forked(prep, tuple(preload))
@@ -550,7 +752,9 @@ def run_sandboxed(target: str, /, *args: Any, limits: SandboxLimits | None = Non
         start = time.perf_counter()
         with out, err:
             proc = subprocess.Popen(prep.cmd, cwd=prep.work, env=prep.env, stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=err, start_new_session=True, close_fds=True)
+                                    stdout=out, stderr=err, start_new_session=True, close_fds=True,
+                                    pass_fds=prep.pass_fds())
+        prep.close_child_fds()
         timed_out = False
         try:
             proc.wait(timeout=limits.wall_s)
@@ -572,7 +776,7 @@ async def arun_sandboxed(target: str, /, *args: Any, limits: SandboxLimits | Non
                          **kwargs: Any) -> SandboxResult:
     """Async :func:`run_sandboxed`. Cancelling the awaiting task kills the child's process group."""
     limits = limits or SandboxLimits()
-    prep = _Prepared(target, args, kwargs, limits, cwd)
+    prep = _Prepared(target, args, kwargs, limits, cwd, fork=preload is not None)
     try:
         if preload is not None:
             return await _arun_forked(prep, tuple(preload))
@@ -581,7 +785,8 @@ async def arun_sandboxed(target: str, /, *args: Any, limits: SandboxLimits | Non
         with out, err:
             proc = await asyncio.create_subprocess_exec(*prep.cmd, cwd=prep.work, env=prep.env,
                                                         stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                                        start_new_session=True)
+                                                        start_new_session=True, pass_fds=prep.pass_fds())
+        prep.close_child_fds()
         timed_out = False
         try:
             await asyncio.wait_for(proc.wait(), timeout=limits.wall_s)
@@ -596,3 +801,123 @@ async def arun_sandboxed(target: str, /, *args: Any, limits: SandboxLimits | Non
         return prep.finish(proc.returncode, timed_out, time.perf_counter() - start)
     finally:
         prep.cleanup()
+
+
+class SandboxSession:
+    """A sandboxed call kept running while the caller talks to it over ``channel`` (see
+    :func:`open_sandboxed`). ``pid`` is the sandbox's root process (a host PID): the target runs
+    in one of its descendants (:func:`process_tree`). The wall clock runs from the start."""
+
+    def __init__(self, prep: _Prepared, preload: tuple[str, ...] | None):
+        self._prep, self._preload = prep, preload
+        assert prep.parent_end is not None
+        self.channel: socket.socket = prep.parent_end
+        self.pid: int | None = None
+        self._start = 0.0
+        self._exited: asyncio.Future[Any] | None = None
+        self._watch: asyncio.Task[tuple[int | None, bool]] | None = None
+        self._result: SandboxResult | None = None
+
+    async def _launch(self) -> None:
+        prep = self._prep
+        if self._preload is not None:
+            server = await asyncio.to_thread(_fork_server, self._preload, prep.sys_path, prep.limits)
+            assert prep.child_end is not None
+            self._start = time.perf_counter()
+            call = server.submit(prep.fork_message(), fds=[prep.child_end.fileno()])
+            prep.close_child_fds()
+            self._exited = asyncio.wrap_future(call.exited)
+            self.pid = await asyncio.wait_for(asyncio.wrap_future(call.started), timeout=60)
+        else:
+            out, err = prep.open_outputs()
+            self._start = time.perf_counter()
+            with out, err:
+                proc = await asyncio.create_subprocess_exec(*prep.cmd, cwd=prep.work, env=prep.env,
+                                                            stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                                            start_new_session=True, pass_fds=prep.pass_fds())
+            prep.close_child_fds()
+            self.pid = proc.pid
+            self._exited = asyncio.ensure_future(proc.wait())
+        self._watch = asyncio.create_task(self._watchdog())
+
+    async def _watchdog(self) -> tuple[int | None, bool]:
+        assert self._exited is not None
+        left = self._prep.limits.wall_s - (time.perf_counter() - self._start)
+        try:
+            try:
+                return await asyncio.wait_for(asyncio.shield(self._exited), timeout=max(0.0, left)), False
+            except asyncio.TimeoutError:
+                self.kill()
+                return await self._exited, True
+        except RuntimeError:  # the fork server died under us
+            return None, False
+
+    @property
+    def running(self) -> bool:
+        return self._exited is not None and not self._exited.done()
+
+    def kill(self) -> None:
+        """SIGKILL the sandbox (its group, and the PID namespace with it)."""
+        if self.pid is None:
+            return
+        if self._preload is not None:
+            _kill_forked(self._prep, self.pid, self._exited is not None and self._exited.done())
+        else:
+            self._prep.kill_group(self.pid)
+
+    async def result(self) -> SandboxResult:
+        """Wait for the end (within the wall clock) and say how it ended."""
+        if self._result is None:
+            assert self._watch is not None
+            code, timed_out = await self._watch
+            self.kill()  # whatever the target left behind in its group
+            res = self._prep.finish(code, timed_out, time.perf_counter() - self._start)
+            if code is None and not timed_out:
+                res.status, res.error_type = "error", "ForkServerDied"
+                res.error_message = "the sandbox fork server exited during the call (infrastructure error)"
+            self._result = res
+        return self._result
+
+    async def close(self, grace_s: float = 0.0) -> SandboxResult:
+        """End the session and return its result: close the channel (a target that serves it
+        returns), give the target ``grace_s`` to exit on its own, then kill what still runs."""
+        if self.running and grace_s > 0:
+            try:
+                self.channel.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            assert self._exited is not None
+            try:
+                await asyncio.wait_for(asyncio.shield(self._exited), timeout=grace_s)
+            except (asyncio.TimeoutError, RuntimeError):
+                pass
+        if self.running:
+            self.kill()
+        return await self.result()
+
+
+@contextlib.asynccontextmanager
+async def open_sandboxed(target: str, /, *args: Any, limits: SandboxLimits | None = None,
+                         preload: Sequence[str] | None = None, **kwargs: Any) -> AsyncIterator[SandboxSession]:
+    """Start ``target(*args, channel_fd=FD, **kwargs)`` in a sandbox and keep it running while the
+    caller talks to it over ``session.channel`` (a connected socket; the target's end is ``FD``).
+
+    Same limits and isolation as :func:`run_sandboxed` (``preload``: forked from a fork server).
+    Leaving the block kills the sandbox if it still runs; ``await session.result()`` inside it
+    waits for the target to return instead. Why: an evaluation that must not share a process
+    with the code it judges (KernelBench) drives that code call by call from outside.
+    """
+    limits = limits or SandboxLimits()
+    prep = _Prepared(target, args, kwargs, limits, None, fork=preload is not None, channel=True)
+    session = SandboxSession(prep, tuple(preload) if preload is not None else None)
+    try:
+        await session._launch()
+        yield session
+    finally:
+        try:
+            if session._watch is not None:
+                await session.close()
+            elif session.pid is not None:
+                session.kill()
+        finally:
+            prep.cleanup()

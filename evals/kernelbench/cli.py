@@ -3,6 +3,7 @@
     closedloop eval kernelbench --problems DIR --level 1 --backend cpu --agent kernel --model SPEC \\
         --samples K --concurrency N [--scale 0.015625] [--export eval_results.json] [--plot speedups.png]
     closedloop eval kernelbench --problems DIR --level 1 --candidates RUN_DIR      # no agent
+    closedloop eval kernelbench --problems DIR --level 1 --candidate-source reference   # self-check
 
 Results go to the run store (one eval run, one child per sample), so an interrupted run resumes
 with the same ``--name``. Registered through the ``closedloop.benchmarks`` entry point.
@@ -30,6 +31,10 @@ def register(bench: argparse._SubParsersAction) -> None:
     k.add_argument("--rounds", type=int, help="agent rounds (passed to the graph)")
     k.add_argument("--candidates", metavar="DIR", help="evaluate candidate files instead of running an agent "
                                                        "(level_<L>_problem_<P>_sample_<S>_kernel.py or <id>_<Name>.py)")
+    k.add_argument("--candidate-source", choices=["agent", "files", "reference"],
+                   help="where candidates come from (default: agent with --agent, files with --candidates); "
+                        "reference: each problem's Model as its ModelNew, a self-check of the harness "
+                        "(correct, speedup 1.0x within the timing noise)")
     k.add_argument("--samples", type=int, default=1, help="samples per problem (pass@k)")
     k.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature of the agent (default: the graph's, greedy); pass@k with k > 1 needs > 0")
@@ -75,8 +80,14 @@ async def _run(args: argparse.Namespace) -> int:
     from closedloop.evals.kernelbench.runner import KernelBenchRunner, KernelBenchSettings, graph_agent
     from closedloop.store import RunStore
 
-    if bool(args.agent) == bool(args.candidates):
-        raise ValueError("give either --agent (with --model) or --candidates")
+    source = args.candidate_source or ("files" if args.candidates else "agent")
+    if source == "reference":
+        if args.agent or args.candidates:
+            raise ValueError("--candidate-source reference takes neither --agent nor --candidates")
+    elif bool(args.agent) == bool(args.candidates):
+        raise ValueError("give either --agent (with --model), --candidates or --candidate-source reference")
+    elif (source == "files") != bool(args.candidates):
+        raise ValueError(f"--candidate-source {source} does not match the options given")
     if args.agent and not args.model:
         raise ValueError(f"--agent {args.agent} needs --model")
     if args.samples < 1 or args.concurrency < 1:
@@ -87,11 +98,12 @@ async def _run(args: argparse.Namespace) -> int:
         err.print(f"[yellow]note[/]: backend {args.backend}: {escape(why)}")
     problems = load_problems(args.problems, level=args.level, ids=args.problem_ids)
     sha = hashlib.sha256("".join(p.key + p.hash for p in problems).encode()).hexdigest()[:16]
-    name = args.name or f"kernelbench-{args.backend}-{args.agent or 'candidates'}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    label = args.agent or ("reference" if source == "reference" else "candidates")
+    name = args.name or f"kernelbench-{args.backend}-{label}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     settings = KernelBenchSettings(
         name=name, problems_dir=str(args.problems), problems_sha=sha, level=args.level, backend=args.backend,
         scale=args.scale, policy=args.policy, agent=args.agent, model=args.model, rounds=args.rounds,
-        candidates_dir=args.candidates, samples=args.samples, concurrency=args.concurrency,
+        candidates_dir=args.candidates, candidate_source=source, samples=args.samples, concurrency=args.concurrency,
         temperature=args.temperature, sampling_seed=args.sampling_seed,
         item_timeout_s=args.item_timeout, trials=args.trials, atol=args.tolerance, rtol=args.tolerance,
         iters=args.iters, compile_reference=args.compile_reference, cache_dir=args.cache_dir)

@@ -21,11 +21,12 @@ def kernelbench_entry(r: KernelResult) -> dict:
     cand = r.timings.get("candidate", {})
     ref = r.timings.get("reference", {})
     meta = {"status": r.status, "message": r.message[:2000], "backend": r.backend, "scale": r.scale,
-            "scaled_constants": r.scaled_constants, "speedup": r.speedup, "max_difference": r.max_diff,
+            "scaled_constants": r.scaled_constants, "speedup": r.speedup, "speedup_mean": r.speedup_mean,
+            "speedup_ci": r.speedup_ci, "timing_unstable": r.timing_unstable, "max_difference": r.max_diff,
             "avg_difference": r.mean_diff, "hardware": "cpu" if r.backend == "cpu" else None, "device": r.backend}
     if r.status == "compile_error":
         meta["compilation_error"] = (r.compiler_log or r.message)[-2000:]
-    elif r.status in ("runtime_error", "timeout"):
+    elif r.status in ("runtime_error", "timeout", "invalid_output"):
         meta["runtime_error"] = (r.traceback_tail or r.message)[-2000:]
     if r.status == "suspicious":
         meta["excessive_speedup"] = True

@@ -2,9 +2,10 @@
 
 fast_p follows KernelBench (``src/kernelbench/score.py``): the fraction of *all* problems whose
 sample is correct **and** has speedup strictly greater than p (so fast_0 is the correctness
-rate). Our deliberate difference: a ``suspicious`` sample (correct, but faster than the
+rate). Our deliberate differences: a ``suspicious`` sample (correct, but faster than the
 suspicious-speedup bound) is not counted until a reviewer marks it, and samples that were not
-timed (no GPU for CUDA/Triton) count for fast_0 only. With several samples per problem, the
+timed (no GPU for CUDA/Triton) or whose timing was too noisy to credit (``timing_unstable``)
+count for fast_0 only. With several samples per problem, the
 problem's best sample (correct first, then fastest) is used, as an agent's final answer would be.
 """
 
@@ -23,12 +24,17 @@ def _counts(res: KernelResult, reviewed: set[tuple[str, int]]) -> bool:
     return res.status == "correct" or (res.status == "suspicious" and (res.problem, res.sample_id) in reviewed)
 
 
+def _speedup(res: KernelResult) -> float | None:
+    """The speedup a metric may use: none when the timing was too noisy to credit."""
+    return None if res.timing_unstable else res.speedup
+
+
 def best_per_problem(results: Iterable[KernelResult], reviewed: set[tuple[str, int]] = frozenset()) -> dict[str, KernelResult]:
     best: dict[str, KernelResult] = {}
     for r in results:
         b = best.get(r.problem)
-        key = (_counts(r, reviewed), r.speedup or 0.0)
-        if b is None or key > (_counts(b, reviewed), b.speedup or 0.0):
+        key = (_counts(r, reviewed), _speedup(r) or 0.0)
+        if b is None or key > (_counts(b, reviewed), _speedup(b) or 0.0):
             best[r.problem] = r
     return best
 
@@ -45,16 +51,17 @@ def fast_p(results: Iterable[KernelResult], p: float, *, num_problems: int | Non
     for r in best.values():
         if not _counts(r, reviewed):
             continue
-        if p == 0.0 and r.speedup is None:
+        sp = _speedup(r)
+        if p == 0.0 and sp is None:
             hits += 1
-        elif r.speedup is not None and r.speedup > p:
+        elif sp is not None and sp > p:
             hits += 1
     return hits / n
 
 
 def geomean_speedup(results: Iterable[KernelResult], reviewed: set[tuple[str, int]] = frozenset()) -> float | None:
     """Geometric mean of speedups over correct (timed) samples; None when there are none."""
-    sp = [r.speedup for r in results if _counts(r, reviewed) and r.speedup and r.speedup > 0]
+    sp = [s for r in results if _counts(r, reviewed) and (s := _speedup(r)) and s > 0]
     if not sp:
         return None
     return math.exp(sum(math.log(s) for s in sp) / len(sp))

@@ -3,8 +3,10 @@
 One ``eval`` parent run per evaluation name (tag ``eval:<name>``), one ``kernel_sample`` child per
 (problem, sample) written when its verdict exists. Samples come from an agent graph (the
 ``closedloop.graphs`` entry point named by ``agent``, e.g. ``kernel`` or ``egg``, with
-``evaluate_kernel``/``profile_kernel`` tools bound to the problem) or from candidate files
-(KernelBench's ``level_<L>_problem_<P>_sample_<S>_kernel.py``, or ``<id>_<Name>.py`` for sample 0).
+``evaluate_kernel``/``profile_kernel`` tools bound to the problem), from candidate files
+(KernelBench's ``level_<L>_problem_<P>_sample_<S>_kernel.py``, or ``<id>_<Name>.py`` for sample 0),
+or from the problems themselves (``candidate_source="reference"``: each problem's ``Model`` as its
+``ModelNew``, a self-check of the harness that must come out correct at 1.0x).
 
 Outcomes (``closedloop.evals.harness.Outcome``): ``graded`` (the kernel got a verdict, whatever it
 is), ``agent_error`` (no code, or the agent failed), ``infra_error`` (the harness or the problem
@@ -17,7 +19,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field
 
@@ -29,8 +31,8 @@ from closedloop.messages import Trajectory
 
 EVAL_KIND = "eval"
 SAMPLE_KIND = "kernel_sample"
-RESUME_KEYS = ("benchmark", "problems_sha", "backend", "scale", "policy", "agent", "model", "candidates_dir", "seed",
-               "trials", "atol", "rtol", "rounds")
+RESUME_KEYS = ("benchmark", "problems_sha", "backend", "scale", "policy", "agent", "model", "candidates_dir",
+               "candidate_source", "seed", "trials", "atol", "rtol", "rounds")
 
 
 class KernelBenchConfigError(ValueError):
@@ -56,6 +58,8 @@ class KernelBenchSettings(BaseModel):
     #: Sample ``i`` of a problem runs with sampling seed ``sampling_seed + i`` (distinct samples for pass@k).
     sampling_seed: int = 0
     candidates_dir: str | None = None
+    #: Where candidates come from: an agent, candidate files, or each problem's own reference.
+    candidate_source: Literal["agent", "files", "reference"] | None = None
     samples: int = Field(1, ge=1)
     concurrency: int = Field(1, ge=1)
     item_timeout_s: float | None = None
@@ -67,6 +71,11 @@ class KernelBenchSettings(BaseModel):
     iters: int = 20
     compile_reference: bool = False
     cache_dir: str | None = None
+
+    def source(self) -> str:
+        if self.candidate_source is not None:
+            return self.candidate_source
+        return "files" if self.candidates_dir is not None else "agent"
 
     def eval_config(self) -> KernelEvalConfig:
         return KernelEvalConfig(backend=self.backend, scale=self.scale, policy=self.policy, seed=self.seed,
@@ -157,8 +166,12 @@ class KernelBenchRunner:
                  on_plan: Callable[[int, int], None] | None = None):
         if not problems:
             raise KernelBenchConfigError("no problems to run")
-        if agent is None and settings.candidates_dir is None:
-            raise KernelBenchConfigError("give an agent (graph + model) or a candidates directory")
+        source = settings.source()
+        if source == "agent" and agent is None:
+            raise KernelBenchConfigError("give an agent (graph + model), a candidates directory or candidate_source "
+                                         "'reference'")
+        if source == "files" and settings.candidates_dir is None:
+            raise KernelBenchConfigError("candidate_source 'files' needs a candidates directory")
         self.settings, self.problems, self.store = settings, problems, store
         self.agent, self.on_sample, self.on_plan = agent, on_sample, on_plan
         self.slots = ResourceSlots({"cpu-timing": 1, "gpu0": 1})
@@ -206,7 +219,8 @@ class KernelBenchRunner:
         res = so.result.model_dump(mode="json") if so.result is not None else None
         rewards = {}
         if so.result is not None:
-            rewards = {"correct": float(so.result.correct), "speedup": float(so.result.speedup or 0.0)}
+            # a reward never credits a speedup the judge did not (suspicious, untimed, too noisy)
+            rewards = {"correct": float(so.result.correct), "speedup": float(so.result.credited_speedup or 0.0)}
         outcome = {"problem": so.problem.key, "sample_id": so.sample_id, "outcome": so.outcome, "result": res,
                    "code": so.code, "error": so.error, "rewards": rewards}
         traj = so.trajectory or Trajectory(messages=[], metadata={"problem": so.problem.key})
@@ -221,6 +235,9 @@ class KernelBenchRunner:
     async def _sample(self, item: tuple[Problem, int]) -> SampleOutcome:
         problem, sample_id = item
         traj = None
+        if self.settings.source() == "reference":
+            result = await self.evaluator.aevaluate_reference(problem, sample_id)
+            return self._graded(problem, sample_id, result, None, None)
         if self.agent is not None:
             try:
                 code, traj = await self.agent(problem, sample_id, self.evaluator)
@@ -238,7 +255,12 @@ class KernelBenchRunner:
             return SampleOutcome(problem, sample_id, "agent_error", None, error="the agent produced no code",
                                  trajectory=traj)
         result = await self.evaluator.aevaluate(problem, code, sample_id)
-        outcome = "infra_error" if result.status == "reference_error" else "graded"
+        return self._graded(problem, sample_id, result, code, traj)
+
+    @staticmethod
+    def _graded(problem: Problem, sample_id: int, result: KernelResult, code: str | None,
+                traj: Trajectory | None) -> SampleOutcome:
+        outcome = "infra_error" if result.status in ("reference_error", "infra_error") else "graded"
         return SampleOutcome(problem, sample_id, outcome, result, code=code, trajectory=traj,
                              error=result.message if outcome == "infra_error" else None)
 

@@ -47,8 +47,9 @@ def make_kernel_tools(problem: Problem | str | Path, backend: str = "cpu", *, sc
             code: Python source defining class ModelNew (a fenced ```python block is accepted).
 
         Returns JSON: status (correct | suspicious | compile_error | load_error | policy_violation |
-        runtime_error | shape_mismatch | dtype_mismatch | incorrect | timeout), message, compiler_log,
-        traceback_tail, max_diff, mean_diff, speedup over eager torch, timings in ms.
+        runtime_error | shape_mismatch | dtype_mismatch | incorrect | invalid_output | timeout),
+        message, compiler_log, traceback_tail, max_diff, mean_diff, speedup over eager torch (median
+        ratio; speedup_mean, speedup_ci, timing_unstable beside it), timings in ms per call.
         """
         res = await evaluator.aevaluate(prob, extract_code(code))
         return json.dumps(res.feedback(), default=str)

@@ -133,3 +133,53 @@ def open_fds() -> list[int]:
             continue
         held.append(fd)
     return held
+
+
+def _host_pid() -> int:
+    return int(os.readlink("/proc/self"))  # the host's /proc names this process by its host PID
+
+
+def report_then_spin(marker: str, out: str) -> None:
+    """Says it started (host PID and working directory, written atomically to ``marker``), then
+    keeps writing to ``out`` forever: only something outside can stop it."""
+    import json
+
+    tmp = marker + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"pid": _host_pid(), "cwd": os.getcwd()}, fh)
+    os.replace(tmp, marker)
+    n = 0
+    while True:
+        with open(out, "a") as fh:
+            fh.write(f"{n}\n")
+        n += 1
+        time.sleep(0.01)
+
+
+def forge_result(text: str) -> None:
+    """Writes its own result file (``text``) and exits before the real one would be written."""
+    with open(os.path.join(os.getcwd(), "..", "io", "result.json"), "w") as fh:
+        fh.write(text)
+    os._exit(0)
+
+
+def channel_echo(channel_fd: int) -> int:
+    """Reads lines on the session's channel and sends each back upper-cased, then its host PID
+    when asked; returns how many lines it echoed once the caller closes the channel."""
+    chan = socket.socket(fileno=channel_fd)
+    f = chan.makefile("rwb")
+    n = 0
+    for line in f:
+        if line.strip() == b"pid":
+            f.write(f"{_host_pid()}\n".encode())
+        else:
+            f.write(line.upper())
+            n += 1
+        f.flush()
+    return n
+
+
+def channel_then_sleep(channel_fd: int) -> None:
+    chan = socket.socket(fileno=channel_fd)
+    chan.sendall(f"{_host_pid()}\n".encode())
+    time.sleep(3600)

@@ -20,9 +20,9 @@ from .conftest import PROBLEMS, RELU_OK
 
 
 def test_metrics_follow_kernelbench():
-    def r(problem: str, status: str, speedup: float | None, sample: int = 0) -> KernelResult:
+    def r(problem: str, status: str, speedup: float | None, sample: int = 0, unstable: bool = False) -> KernelResult:
         return KernelResult(problem=problem, level=1, problem_id=1, sample_id=sample, backend="cpu", scale=1.0,
-                            status=status, speedup=speedup)
+                            status=status, speedup=speedup, timed=speedup is not None, timing_unstable=unstable)
 
     res = [r("a", "correct", 1.2), r("b", "correct", 0.9), r("c", "incorrect", None), r("d", "suspicious", 50.0)]
     assert fast_p(res, 0.0) == 0.5 and fast_p(res, 1.0) == 0.25 and fast_p(res, 1.2) == 0.0  # strict >
@@ -30,6 +30,10 @@ def test_metrics_follow_kernelbench():
     assert geomean_speedup(res) == pytest.approx((1.2 * 0.9) ** 0.5)
     assert pass_at_k(5, 0, 1) == 0.0 and pass_at_k(5, 5, 3) == 1.0 and pass_at_k(4, 2, 1) == pytest.approx(0.5)
     assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2)
+    # a speedup too noisy to credit counts as correct, never as fast
+    noisy = [r("a", "correct", 3.0, unstable=True), r("b", "correct", 1.5)]
+    assert fast_p(noisy, 0.0) == 1.0 and fast_p(noisy, 1.0) == 0.5 and geomean_speedup(noisy) == pytest.approx(1.5)
+    assert noisy[0].credited_speedup is None and noisy[1].credited_speedup == 1.5
 
 
 def _cli(store, kb_cache, candidates, name, *extra) -> int:
@@ -50,7 +54,7 @@ def test_candidates_through_the_cli_store_resume_export(relu_result, kb_cache, t
     assert set(data) == {"1", "3"}
     e1 = data["1"][0]
     assert e1["sample_id"] == 0 and e1["compiled"] and e1["correctness"] and e1["runtime"] > 0 and e1["ref_runtime"] > 0
-    assert e1["metadata"]["scale"] == 0.25 and e1["runtime_stats"]["num_trials"] == 3
+    assert e1["metadata"]["scale"] == 0.25 and e1["runtime_stats"]["num_trials"] in (3, 6)  # re-timed when noisy
     assert data["3"][0]["correctness"] is False and data["3"][0]["metadata"]["status"] == "incorrect"
     assert plot.exists() and plot.stat().st_size > 0
 
@@ -111,3 +115,20 @@ def test_samples_of_a_problem_are_distinct_seeded_draws(relu_result, kb_cache, p
                                            agent=agent).run())
     assert report.outcomes == {"graded": 3}
     assert sorted({s for s, _ in seen}) == [100, 101, 102] and {t for _, t in seen} == {0.8}
+
+
+def test_reference_as_candidate_through_the_cli(kb_cache, tmp_path, capsys):
+    """``--candidate-source reference``: every problem's Model judged as its own ModelNew."""
+    store_path = tmp_path / "runs.duckdb"
+    code = main(["eval", "kernelbench", "--problems", str(PROBLEMS), "--level", "1", "--candidate-source", "reference",
+                 "--store", str(store_path), "--name", "self", "--cache-dir", str(kb_cache), "--scale", "0.25",
+                 "--trials", "2", "--iters", "5"])
+    assert code == 0, capsys.readouterr().err
+    store = RunStore(store_path)
+    parent = store.list_runs(kind="eval", tag="eval:self")[0]
+    assert parent.outcome["summary"]["statuses"] == {"correct": 3}
+    assert parent.outcome["summary"]["fast_p"]["fast_0"] == 1.0
+    assert parent.config["candidate_source"] == "reference"
+    assert main(["eval", "kernelbench", "--problems", str(PROBLEMS), "--candidate-source", "reference",
+                 "--candidates", str(tmp_path)]) == 2
+    assert "takes neither" in capsys.readouterr().err

@@ -106,7 +106,8 @@ def test_policy_wants_a_real_launched_triton_kernel(tmp_path, problem):
                                      "BLOCK=4096)", "out.copy_(x)")
     for code, why in ((torch_only, "no Triton kernel"), (look_alike, "no Triton kernel"),
                       (never_launched, "never launched")):
-        rep = check_policy(code, "triton", "lenient")
+        rep = check_policy(code, "triton", "strict")
         assert not rep.ok and why in rep.summary(), rep.summary()
+        assert check_policy(code, "triton", "lenient").ok  # lenient judges it like any other candidate
     r = evaluate(tmp_path, problem, torch_only)
     assert r.status == "policy_violation"
