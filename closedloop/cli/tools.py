@@ -34,8 +34,9 @@ def handle(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title="tools")
-    for column in ("name", "module", "writes", "description"):
-        table.add_column(column)
+    for column in ("name", "module", "writes"):  # identifiers are never cut: users paste them into --tools
+        table.add_column(column, no_wrap=True, overflow="ignore")
+    table.add_column("description")
     for module, name, mutates, description in rows:
         table.add_row(name, module, "yes" if mutates else "", description)
     Console().print(table)

@@ -160,15 +160,15 @@ def test_unknown_run_is_a_404_page(http):
 
 
 def test_front_end_files_ship_in_the_wheel():
-    """setup.py's package_data must match every template and static file (they are in packages)."""
+    """pyproject.toml's package data must match every template and static file (they are in packages)."""
     import fnmatch
     import pathlib
+    import tomllib
 
     from closedloop.ui.app import static_files
 
-    setup = (pathlib.Path(__file__).resolve().parents[2] / "setup.py").read_text()
-    patterns = re.search(r'package_data=\{"": \[([^\]]*)\]', setup).group(1)
-    globs = [p.strip().strip('"') for p in patterns.split(",")]
+    pyproject = tomllib.loads((pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["*"]
     for path in static_files():
         assert (path.parent / "__init__.py").exists(), f"{path.parent} is not a package: its files would not ship"
         assert path.name == "__init__.py" or any(fnmatch.fnmatch(path.name, g) for g in globs), path
