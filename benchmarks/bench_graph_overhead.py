@@ -26,7 +26,11 @@ How it is measured, so that no row's work lands in another's:
   round, after a warm-up round; garbage is collected before each block (outside the clock).
 - reported: the median per-step CPU and wall time of each row, and the median over rounds of
   each round's ratio to the raw block (blocks of one round ran seconds apart, under the same
-  load); the load average before and after.
+  load); the load average before and after; what one commit of the run store costs.
+- block size: a commit has a fixed cost (tens of ms of CPU, printed) that a block's closing flush
+  pays once more; 50 episodes (1,950 steps) make it one of several commits, as in a run that
+  streams steps. Smaller blocks show that cost per step (``--episodes 5`` roughly doubles the
+  recording row's ratio); it is a cost per run, not per step.
 
     python benchmarks/bench_graph_overhead.py --turns 20 --episodes 50 --rounds 9
 """
