@@ -23,6 +23,8 @@ the model emitted (unparseable ones go to LangChain's ``invalid_tool_calls``), t
 from __future__ import annotations
 
 import json
+import uuid
+from collections import OrderedDict
 from typing import Any, Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage
@@ -36,6 +38,12 @@ from closedloop.messages import (AssistantMessage, SystemMessage, ToolCall, Tool
 
 #: ``AIMessage.response_metadata`` key holding the turn (``Turn.model_dump(mode="json")``).
 TURN_KEY = "closedloop_turn"
+
+# The classes a thread is made of, by exact type: one dict lookup instead of isinstance checks
+# against pydantic's and LangChain's class hierarchies (routers read every message of a thread).
+_ROLE_OF_CLASS: dict[type, str] = {HumanMessage: "user", AIMessage: "assistant", LCSystemMessage: "system",
+                                   LCToolMessage: "tool", UserMessage: "user", AssistantMessage: "assistant",
+                                   SystemMessage: "system", ToolMessage: "tool"}
 
 _ROLE_OF_TYPE = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
                  "HumanMessage": "user", "AIMessage": "assistant", "SystemMessage": "system", "ToolMessage": "tool",
@@ -55,6 +63,9 @@ def _not_a_message(message: Any) -> TypeError:
 
 def role_of(message: Any) -> str:
     """The OpenAI role of a message in any form."""
+    role = _ROLE_OF_CLASS.get(type(message))
+    if role is not None:
+        return role
     if isinstance(message, _Message):
         return message.role  # type: ignore[attr-defined]
     if isinstance(message, dict):
@@ -107,7 +118,9 @@ def _content_to_langchain(content: Any) -> Any:
 # --------------------------------------------------------------------------- one message
 
 
-_CACHE: dict[int, tuple[BaseMessage, _Message]] = {}
+# First in, first out (an OrderedDict: popping a plain dict's first key walks past every key
+# deleted before it, which made each eviction cost more than the conversion it saves).
+_CACHE: OrderedDict[int, tuple[BaseMessage, _Message]] = OrderedDict()
 _CACHE_SIZE = 4096
 
 
@@ -117,19 +130,30 @@ def to_closedloop(message: Any) -> _Message:
     Conversions of LangChain messages are remembered (by object, for the last few thousand), since
     a LangChain-form thread is converted again at every model call; messages in a graph's state are
     not mutated in place (LangGraph replaces them by id), so a remembered conversion stays right.
+    A LangChain message made from one of ours (:func:`to_langchain`, :func:`ai_message`) is
+    remembered with that message when converting it back would give an equal one
+    (:func:`_round_trips`): the tool node, the recorder and the next model call then read the very
+    object the model node produced (``turn.message``) at no cost.
     """
+    hit = _CACHE.get(id(message))
+    if hit is not None and hit[0] is message:
+        return hit[1]
     if isinstance(message, _Message):
         return message
     if isinstance(message, BaseMessage):
-        hit = _CACHE.get(id(message))
-        if hit is not None and hit[0] is message:
-            return hit[1]
         converted = _to_closedloop(message)
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[id(message)] = (message, converted)
+        _remember(message, converted)
         return converted
     return _to_closedloop(message)
+
+
+def _remember(message: BaseMessage, converted: _Message) -> None:
+    if len(_CACHE) >= _CACHE_SIZE:
+        try:
+            _CACHE.popitem(last=False)
+        except KeyError:  # emptied by another thread meanwhile
+            pass
+    _CACHE[id(message)] = (message, converted)
 
 
 def _to_closedloop(message: Any) -> _Message:
@@ -189,18 +213,43 @@ def to_langchain(message: Any, turn: Turn | None = None) -> BaseMessage:
     if isinstance(message, dict) and "role" not in message:
         return convert_to_messages([message])[0]
     m = to_closedloop(message)
+    if isinstance(m, AssistantMessage):
+        return ai_message(m, turn)
     content = _content_to_langchain(getattr(m, "content", None))
+    out: BaseMessage
     if isinstance(m, UserMessage):
-        return HumanMessage(content=content, **({"name": m.name} if m.name else {}))
-    if isinstance(m, SystemMessage):
-        return LCSystemMessage(content=content)
-    if isinstance(m, ToolMessage):
-        return LCToolMessage(content=content, tool_call_id=m.tool_call_id, name=m.name,
-                             status="error" if m.error else "success",
-                             additional_kwargs={"error": m.error} if m.error else {})
-    if not isinstance(m, AssistantMessage):
+        out = HumanMessage(content=content, **({"name": m.name} if m.name else {}))
+    elif isinstance(m, SystemMessage):
+        out = LCSystemMessage(content=content)
+    elif isinstance(m, ToolMessage):
+        out = LCToolMessage(content=content, tool_call_id=m.tool_call_id, name=m.name,
+                            status="error" if m.error else "success",
+                            additional_kwargs={"error": m.error} if m.error else {})
+    else:
         raise ValueError(f"cannot convert a {type(m).__name__} to a LangChain message")
-    return ai_message(m, turn)
+    if _round_trips(m):
+        _remember(out, m)
+    return out
+
+
+def _round_trips(m: _Message) -> bool:
+    """Whether converting ``to_langchain(m)`` back gives a message equal to ``m`` (what lets the
+    conversion be remembered at no cost). Conservative: plain-text content, and none of the
+    values the LangChain form cannot tell apart (an empty name, reasoning or error is stored as
+    absent; an assistant's ``""`` beside tool calls is read back as ``None``, and ``None``
+    without them as ``""``; duplicate call ids)."""
+    content = getattr(m, "content", None)
+    if isinstance(m, AssistantMessage):
+        calls = m.tool_calls
+        if calls is not None and (not calls or not all(c.id for c in calls)
+                                  or len({c.id for c in calls}) != len(calls)):
+            return False
+        if content is None:
+            return bool(calls) and m.reasoning != ""
+        return type(content) is str and (content != "" or not calls) and m.reasoning != ""
+    if type(content) is not str or getattr(m, "name", None) == "":
+        return False
+    return not isinstance(m, ToolMessage) or m.error != ""
 
 
 def ai_message(m: AssistantMessage, turn: Turn | None = None) -> AIMessage:
@@ -216,8 +265,10 @@ def ai_message(m: AssistantMessage, turn: Turn | None = None) -> AIMessage:
             invalid.append({"name": call.name, "args": call.function.arguments, "id": call.id,
                             "error": f"{type(e).__name__}: {e}", "type": "invalid_tool_call"})
     extra: dict[str, Any] = {}
-    if m.tool_calls:
-        extra["tool_calls"] = [c.model_dump(mode="json") for c in m.tool_calls]  # exact argument strings
+    if m.tool_calls:  # exact argument strings; ToolCall.model_dump(mode="json"), built directly
+        extra["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                                          "arguments": c.function.arguments}}
+                               for c in m.tool_calls]
     if m.reasoning:
         extra["reasoning_content"] = m.reasoning
     metadata: dict[str, Any] = {}
@@ -227,8 +278,11 @@ def ai_message(m: AssistantMessage, turn: Turn | None = None) -> AIMessage:
                     TURN_KEY: turn.model_dump(mode="json")}
         usage = {"input_tokens": turn.usage.prompt_tokens, "output_tokens": turn.usage.completion_tokens,
                  "total_tokens": turn.usage.total_tokens}
-    return AIMessage(content=content, tool_calls=tool_calls, invalid_tool_calls=invalid, additional_kwargs=extra,
-                     response_metadata=metadata, **({"usage_metadata": usage} if usage else {}))
+    ai = AIMessage(content=content, tool_calls=tool_calls, invalid_tool_calls=invalid, additional_kwargs=extra,
+                   response_metadata=metadata, **({"usage_metadata": usage} if usage else {}))
+    if _round_trips(m):
+        _remember(ai, m)
+    return ai
 
 
 def to_openai(message: Any) -> dict[str, Any]:
@@ -290,10 +344,44 @@ def _stored(left: Any) -> list[Any]:
     return as_langchain(left)
 
 
+# Plain LangChain message classes (chunks and ``RemoveMessage`` are subclasses, so not among them).
+_PLAIN = frozenset({HumanMessage, AIMessage, LCSystemMessage, LCToolMessage, ChatMessage})
+
+
 def add_any_messages(left: Any, right: Any) -> list[Any]:
     """The ``messages`` channel's reducer: LangGraph's ``add_messages`` over LangChain messages,
-    taking any form on either side."""
-    return add_messages(_stored(left), as_langchain(right))  # type: ignore[arg-type,return-value]
+    taking any form on either side.
+
+    What a node adds is almost always new messages appended to a thread: ``add_messages`` then
+    only gives those without an id a uuid4 one and appends them, but first walks the whole
+    thread through its coercions and builds an index by id, work in the length of the thread
+    at every step (LangGraph runs the reducer twice a step: once more for the routers, which read
+    the state with the step's writes). That case (:func:`_only_appends`) is done here directly,
+    with the same result (ids given in the same order, by the same mutation); anything else goes
+    to ``add_messages``."""
+    left, right = _stored(left), as_langchain(right)
+    if _only_appends(left, right):
+        for m in right:
+            if m.id is None:
+                m.id = str(uuid.uuid4())
+        return left + right
+    return add_messages(left, right)  # type: ignore[arg-type,return-value]
+
+
+def _only_appends(left: list[Any], right: list[Any]) -> bool:
+    """Whether ``add_messages(left, right)`` would append ``right`` as it is: plain messages on
+    both sides (no chunk to convert, no ``RemoveMessage``), every thread message with its id, and
+    none of the new ones replacing a message by id (an id of the thread, or one given twice, or
+    one message object twice)."""
+    if not right or not all(type(m) in _PLAIN for m in right) or not set(map(type, left)) <= _PLAIN:
+        return False
+    ids = {m.id for m in left}
+    if None in ids:
+        return False
+    given = [m.id for m in right if m.id is not None]
+    if len(right) > 1 and (len(set(map(id, right))) != len(right) or len(set(given)) != len(given)):
+        return False
+    return ids.isdisjoint(given)
 
 
 __all__ = ["TURN_KEY", "is_message", "role_of", "to_closedloop", "to_langchain", "ai_message", "to_openai", "turn_of",

@@ -45,37 +45,41 @@ async def run_graph(graph: Any, graph_input: Any, *, config: dict[str, Any] | No
     ``"async"``, overlaps them), so a process killed mid-step resumes from the step it was in.
     """
     interrupts: list[Any] = []
-    state: dict[str, Any] = {}
-    emit = on_event or (lambda event: None)
+    values: dict[str, Any] = {}
     if recorder is not None and isinstance(graph_input, dict) and graph_input.get("messages"):
         recorder.record(as_closedloop(_as_list(graph_input["messages"])), [], [])  # the input is part of the run too
     extra: dict[str, Any] = {"durability": durability} if durability else {}
     if context is not None:
         extra["context"] = context
-    async for mode, chunk in graph.astream(graph_input, config, stream_mode=["updates", "custom", "values"], **extra):
+    # The custom stream only carries tokens for ``on_event``: without one it is not asked for (a
+    # subscribed mode costs LangGraph work at every step).
+    modes = ["updates", "custom", "values"] if on_event is not None else ["updates", "values"]
+    async for mode, chunk in graph.astream(graph_input, config, stream_mode=modes, **extra):
         if mode == "values":
-            state = {k: v for k, v in chunk.items() if not k.startswith("__")}
+            values = chunk
             continue
         if mode == "custom":
-            if isinstance(chunk, dict) and "token" in chunk:
-                emit(("token", chunk["token"]))
+            if on_event is not None and isinstance(chunk, dict) and "token" in chunk:
+                on_event(("token", chunk["token"]))
             continue
         for node, update in chunk.items():
             if node == "__interrupt__":
                 for item in update:
                     interrupts.append(item.value)
-                    emit(("interrupt", item.value))
+                    if on_event is not None:
+                        on_event(("interrupt", item.value))
                 continue
             if not isinstance(update, dict):
                 continue
-            messages = as_closedloop(_as_list(update.get("messages", [])))
-            turns = list(update.get("turns", []))
-            records = list(update.get("tool_records", []))
-            for m in messages:
-                emit(("message", m))
+            messages = as_closedloop(_as_list(update.get("messages", ())))
+            turns = list(update.get("turns", ()))
+            records = list(update.get("tool_records", ()))
+            if on_event is not None:
+                for m in messages:
+                    on_event(("message", m))
             if recorder is not None and (messages or turns or records):
                 recorder.record(messages, turns, records)
-    return GraphRun(state=state, interrupts=interrupts)
+    return GraphRun(state={k: v for k, v in values.items() if not k.startswith("__")}, interrupts=interrupts)
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -23,7 +23,7 @@ from closedloop.models.base import ModelClient, SamplingParams, TextDelta, TurnD
 from closedloop.runtime.approval import Decision, approval_request, parse_decisions
 from closedloop.runtime.context import AgentContext, context_of
 from closedloop.runtime.convert import ai_message, as_closedloop, role_of, to_closedloop, to_langchain
-from closedloop.runtime.state import AgentState, ToolRecord
+from closedloop.runtime.state import AgentState, MessagesOnly, ToolRecord
 from closedloop.runtime.stream import has_callbacks, stream_turn_with_callbacks
 from closedloop.tool import ToolRegistry, ToolResult
 
@@ -113,7 +113,8 @@ async def run_tool_calls(state: AgentState, tools: ToolRegistry,
             return edited, result
         return call, await tools.call(call)
 
-    done = await asyncio.gather(*(run(c) for c in calls))
+    # One call (the common case) is awaited as it is: gather would wrap it in a task for nothing.
+    done = [await run(calls[0])] if len(calls) == 1 else await asyncio.gather(*(run(c) for c in calls))
     turn_idx = len(state.get("turns", [])) - 1
     return {
         "messages": [to_langchain(r.to_message(c.id)) for c, r in done],
@@ -151,7 +152,7 @@ def asked_for_tools(messages: Sequence[Any]) -> bool:
     return bool(to_closedloop(last).tool_calls)  # type: ignore[attr-defined]
 
 
-async def route_after_model(state: AgentState, runtime: Runtime[Any]) -> str:
+async def route_after_model(state: MessagesOnly, runtime: Runtime[Any]) -> str:
     """To the tools when the model asked for some and the graph runs them; else end.
 
     The turn budget is applied after the tools ran (:func:`route_after_tools`), so every tool call
@@ -162,7 +163,7 @@ async def route_after_model(state: AgentState, runtime: Runtime[Any]) -> str:
     return "tools" if asked_for_tools(state.get("messages", [])) else END
 
 
-async def route_after_tools(state: AgentState, runtime: Runtime[Any]) -> str:
+async def route_after_tools(state: MessagesOnly, runtime: Runtime[Any]) -> str:
     """Back to the model, unless this invocation already made ``max_turns`` model calls.
 
     The budget is per invocation (model calls since the last user message), so a thread can go on

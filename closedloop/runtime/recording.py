@@ -2,9 +2,10 @@
 
 ``record`` runs on the event loop (``run_graph`` calls it per super-step), so it must not touch
 the DuckDB file: it hands the step to :meth:`RunStore.log_step`, which queues it in microseconds;
-the store's background thread commits queued steps within ``flush_interval_s``. ``finish_run``
-(and :meth:`StoreRecorder.flush`) commit whatever is still queued, so a finished run is complete;
-a process killed mid-run loses at most its last interval of steps (see :mod:`closedloop.store.writer`).
+the store's background thread commits queued steps in batches (gathered for ``flush_interval_s``,
+longer after an expensive batch, at most ``max_queued_steps`` at a time). ``finish_run`` (and
+:meth:`StoreRecorder.flush`) commit whatever is still queued, so a finished run is complete; a
+process killed mid-run loses the steps not yet committed (see :mod:`closedloop.store.writer`).
 """
 
 from __future__ import annotations

@@ -40,3 +40,12 @@ class AgentState(TypedDict, total=False):
     turns: Annotated[list[Turn], operator.add]
     tool_records: Annotated[list[ToolRecord], operator.add]
     scratch: dict[str, Any]
+
+
+class MessagesOnly(TypedDict, total=False):
+    """What the tool loop's routers read (their input schema). LangGraph gives a router the state
+    with the step's writes applied to a copy of every channel of its input schema; declaring only
+    ``messages`` spares the copies of the other channels (``turns``, ``tool_records``, ...) at
+    every step. The channel is declared exactly as :class:`AgentState` declares it."""
+
+    messages: Annotated[list[AnyMessage], add_any_messages]

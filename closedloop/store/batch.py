@@ -1,10 +1,11 @@
 """Rows ready for the store, and many of them inserted with one statement per table.
 
 Two costs dominate a naive writer: opening the DuckDB file (tens of ms, see ``store.py``) and one
-``execute`` per row (a few hundred µs each once parameters, list columns and the catalog lookup are
-counted). The bulk path pays neither per row: everything a run needs is prepared (redacted,
-serialised, counted) in Python first, collected into columns, and handed to DuckDB as one Arrow
-table per store table (``INSERT ... SELECT`` over a registered Arrow table is a vectorised copy).
+``execute`` per row (about a millisecond each once parameters, list columns and the catalog lookup
+are counted; ``executemany`` is no cheaper). The bulk path pays neither per row: everything a run
+needs is prepared (redacted, serialised, counted) in Python first, collected into columns, and
+handed to DuckDB as one Arrow table per store table (``INSERT ... SELECT`` over a registered Arrow
+table is a vectorised copy), or, for a few rows, as one multi-row ``VALUES`` statement.
 
 ``pyarrow`` is imported only when a table of a write reaches :data:`SMALL_BATCH` rows, on a thread
 of its own (:func:`arrow_ready`); it is installed with ``datasets``, a core dependency.
@@ -326,7 +327,17 @@ def prepare_tool_call(call_id: str | None, name: str, arguments: str, content: s
     """A tool call's row, redacted. Never raises: a field that cannot be prepared (a type no
     tool should return, a bug in a redaction rule meeting hostile input) is stored as
     ``[REDACTED]`` and the call gets an error naming it (``error_kind="unrecordable"`` unless the
-    call already failed), so that call alone shows the problem and its batch is written."""
+    call already failed), so that call alone shows the problem and its batch is written.
+
+    The common call holds no credential: its fields are checked once, joined by NUL (see
+    :func:`prepare_episode`), and stored as they are when no rule could change any of them."""
+    texts = (call_id or "", name, arguments, content, error or "", error_kind or "")
+    if all(type(t) is str for t in texts) and not might_hold_secret("\0".join(texts), secrets):
+        return PreparedToolCall(call_id=None if call_id is None else storable(call_id), name=storable(name),
+                                arguments=storable(arguments), result=storable(content),
+                                error=storable(error) if error else None,
+                                error_kind=None if error_kind is None else storable(error_kind),
+                                latency_s=_number_or_none(latency_s))
     failed: list[str] = []
 
     def field(label: str, prepare: Callable[[Any], str], value: Any) -> str:
@@ -384,11 +395,11 @@ def turn_row(run_id: str, idx: int, t: PreparedTurn, cost: float | None, now: da
 _ARROW_READY = False
 _ARROW_WARMING: threading.Thread | None = None
 _ARROW_LOCK = threading.Lock()
-# Below this many rows a table is inserted with ``executemany``: cheaper than building an Arrow
-# table, and it needs no pyarrow at all (see :func:`arrow_ready`).
+# Below this many rows a table is inserted with multi-row ``VALUES`` statements: as cheap as an
+# Arrow table at this size, and it needs no pyarrow at all (see :func:`arrow_ready`).
 SMALL_BATCH = 32
-# From this many rows a table waits for pyarrow instead of taking ``executemany`` meanwhile:
-# executemany costs a few hundred µs a row, the import about 0.4 s of CPU.
+# From this many rows a table waits for pyarrow instead of taking ``VALUES`` statements meanwhile:
+# those cost some 75 µs a row, the import about 0.4 s of CPU.
 LARGE_BATCH = 2000
 
 
@@ -396,7 +407,7 @@ def ensure_arrow() -> bool:
     """Import pyarrow and what its first conversion imports (pandas, through its shim); True if ready.
 
     Runs on its own thread (:func:`arrow_ready`); a first import during interpreter exit fails
-    ("can't register atexit after shutdown"), and then the inserts take the ``executemany`` path.
+    ("can't register atexit after shutdown"), and then the inserts take the ``VALUES`` path.
     """
     global _ARROW_READY
     if not _ARROW_READY:
@@ -414,7 +425,7 @@ def ensure_arrow() -> bool:
 def arrow_ready(*, wait: bool) -> bool:
     """True once pyarrow is imported and warmed up. Otherwise the import starts on a thread of its
     own (once per process), so the caller's thread (an event loop, a trainer's step) never pays
-    it; ``wait`` waits for it (a table so large that ``executemany`` would cost more). False when
+    it; ``wait`` waits for it (a table so large that ``VALUES`` statements would cost more). False when
     pyarrow cannot be had (not installed, or the interpreter is exiting)."""
     global _ARROW_WARMING
     if _ARROW_READY:
@@ -483,8 +494,7 @@ class Rows:
                 verb = "INSERT OR REPLACE"  # one statement may not touch a key twice: the last row wins
                 rows = list({(r[0], r[1], r[2]): r for r in rows}.values())
             if len(rows) < SMALL_BATCH or not arrow_ready(wait=len(rows) >= LARGE_BATCH):
-                con.executemany(f"{verb} INTO {table} ({names}) VALUES ({', '.join('?' * len(_COLUMNS[table]))})",
-                                [list(r) for r in rows])
+                _insert_values(con, f"{verb} INTO {table} ({names})", len(_COLUMNS[table]), rows)
                 continue
             import pyarrow as pa
 
@@ -500,6 +510,22 @@ class Rows:
             finally:
                 _finish_pending(con)
                 con.unregister(view)
+
+
+#: Rows per multi-row ``VALUES`` statement (bounds one statement's parameters and parse).
+VALUES_CHUNK = 128
+
+
+def _insert_values(con: duckdb.DuckDBPyConnection, head: str, width: int, rows: list[Sequence[Any]]) -> None:
+    """``rows`` inserted by multi-row ``INSERT ... VALUES (?, ...), (?, ...)`` statements.
+
+    Why not ``executemany``: DuckDB runs it as one statement execution per row, about 1 ms each
+    (measured at 1-2 ms a row, against a few hundred µs for one statement of twenty rows), and
+    a queued batch of a graph run has tens of rows a table."""
+    one = "(" + ", ".join("?" * width) + ")"
+    for start in range(0, len(rows), VALUES_CHUNK):
+        chunk = rows[start:start + VALUES_CHUNK]
+        con.execute(f"{head} VALUES {', '.join([one] * len(chunk))}", [v for r in chunk for v in r])
 
 
 def _finish_pending(con: duckdb.DuckDBPyConnection) -> None:

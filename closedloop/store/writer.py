@@ -14,6 +14,18 @@ caller's thread, so an event loop can wait up to one switch interval (5 ms) now 
 thread is woken only when the queue goes from empty to non-empty, not per write, to keep such
 hand-offs rare. Forked children drop the queue they inherited (the parent writes it).
 
+What a batch costs is mostly fixed: opening the file and creating DuckDB's database instance,
+a handful of statements and the close (its checkpoint) take some 20-30 ms of CPU whether the
+batch holds one step or a thousand, against tens of µs per step for the rows themselves. At one
+batch per ``interval_s`` = 0.1 s, a run streaming steps would spend a quarter of a core on that
+fixed part alone. So the gathering adapts: after a batch that cost ``c`` seconds of this thread's
+CPU, the next gathering lasts at least ``c / CPU_SHARE`` (at most :data:`MAX_GATHER_S`), which
+keeps the writer's steady share of a core near ``CPU_SHARE`` however fast steps arrive; a full
+queue (``max_pending``) and ``flush()`` still write at once. The cyclic garbage collector is
+paused while a batch is written (:func:`~closedloop.store.batch.gc_paused`): preparing a batch
+allocates thousands of short-lived objects, and the collections they would trigger walk every
+object of the process (the queued steps included).
+
 The price is a window: a process that is SIGKILLed (or dies on SIGTERM without running
 ``atexit``) loses what it queued since the last commit. Its run still shows as ``killed`` (the
 run row is written synchronously by ``start_run``) with everything committed before. How long
@@ -34,7 +46,14 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
-__all__ = ["BackgroundWriter", "PartialBatch"]
+from closedloop.store.batch import gc_paused
+
+__all__ = ["BackgroundWriter", "PartialBatch", "CPU_SHARE", "MAX_GATHER_S"]
+
+#: The share of one core the background thread aims to spend on commits while steps stream in.
+CPU_SHARE = 0.05
+#: The longest a gathering is stretched to keep to :data:`CPU_SHARE` (``interval_s`` may be longer).
+MAX_GATHER_S = 1.0
 
 
 class PartialBatch(Exception):
@@ -70,6 +89,7 @@ class BackgroundWriter:
         self._flush_lock = threading.Lock()  # one batch at a time, so batches commit in order
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._gather_s = interval_s  # how long the next gathering lasts (see the module docstring)
         self.errors: list[BaseException] = []
 
     @property
@@ -110,7 +130,8 @@ class BackgroundWriter:
             if not ops:
                 return
             try:
-                self._write(ops)
+                with gc_paused():
+                    self._write(ops)
             except PartialBatch as e:
                 with self._cond:
                     self._pending[:0] = e.remaining
@@ -140,11 +161,14 @@ class BackgroundWriter:
                     self._cond.wait()
                 if self._closing and not self._pending:
                     return
-                deadline = time.monotonic() + self.interval_s  # gather what arrives meanwhile
+                deadline = time.monotonic() + self._gather_s  # gather what arrives meanwhile
                 while not self._closing and (left := deadline - time.monotonic()) > 0 and not self._full():
                     self._cond.wait(left)
+            cpu = time.thread_time()
             try:
                 self.flush()
+                cost = time.thread_time() - cpu
+                self._gather_s = max(self.interval_s, min(cost / CPU_SHARE, MAX_GATHER_S))
             except BaseException as e:  # noqa: BLE001 - the thread must outlive any one failed batch
                 if not isinstance(e, self._retryable):
                     self.errors.append(e)
