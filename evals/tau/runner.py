@@ -362,19 +362,24 @@ class RemoteEpisode:
 
 
 _WORKER_EPISODES: dict[str, EpisodeRunner] = {}
+_WORKER_DOMAINS: dict[str, DomainData] = {}
 
 
 async def run_remote_episode(job: RemoteEpisode) -> SimulationRun:
-    """One episode in a Ray worker. The worker builds its :class:`EpisodeRunner` once per
-    evaluation (domain data, clients) and reuses it for every episode it is sent; grading runs
-    here, in the episode's own CPU slot (no grading processes inside a worker)."""
+    """One episode in a Ray worker. The worker loads a domain's data once (DB parsed once) and builds
+    an :class:`EpisodeRunner` (clients) once per evaluation, then reuses them for every episode it
+    is sent; grading runs here, in the episode's own CPU slot (no grading processes in a worker)."""
     key = f"{job.settings.model_dump_json()}|{job.domain!r}|{job.guidelines!r}"
     runner = _WORKER_EPISODES.get(key)
     if runner is None:
         name, root, options = job.domain
+        data = _WORKER_DOMAINS.get(repr(job.domain))
+        if data is None:
+            data = _WORKER_DOMAINS[repr(job.domain)] = load_domain(name, root, options=options)
         parts = episode_parts(job.settings)
-        runner = EpisodeRunner(job.settings, load_domain(name, root, options=options), agents=parts.agents,
-                               user_for=parts.user_for, judge=parts.judge, guidelines=job.guidelines, workers=0)
+        runner = EpisodeRunner(job.settings, data, agents=parts.agents, user_for=parts.user_for, judge=parts.judge,
+                               guidelines=job.guidelines, workers=0)
+        _WORKER_EPISODES.clear()  # one evaluation at a time per worker: the previous one's clients go
         _WORKER_EPISODES[key] = runner
     return await runner.episode(job.task, job.trial)
 
