@@ -36,8 +36,9 @@ def add_executor_arguments(parser: argparse.ArgumentParser, *, default_cpus: flo
 
 
 def executor_config_from_args(args: argparse.Namespace) -> "ExecutorConfig":
-    """The :class:`~closedloop.evals.harness.executor.ExecutorConfig` the flags name; a Ray flag
-    without ``--executor ray`` is refused rather than silently ignored."""
+    """The :class:`~closedloop.evals.harness.executor.ExecutorConfig` the flags name; a cluster
+    address without ``--executor ray`` is refused rather than silently ignored (``--ray-cpus`` and
+    ``--ray-gpus`` have defaults, so they cannot tell whether they were given)."""
     from closedloop.evals.harness.executor import ExecutorConfig, Resources
 
     if args.executor != "ray" and args.ray_address:
