@@ -103,8 +103,9 @@ def overhead(root: Path, tasks_n: int, repeats: int, store_dir: Path, console: C
     from closedloop.evals.harness import BatchRunner, ExecutorConfig, ItemWork, LocalExecutor
     from closedloop.evals.harness.ray_executor import RayExecutor
 
+    ray_temp = tempfile.mkdtemp(prefix="clbr-")
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20,
-             _temp_dir=tempfile.mkdtemp(prefix="clbr-"))
+             _temp_dir=ray_temp)
     executors = {"local": LocalExecutor(), "ray": RayExecutor(ExecutorConfig(kind="ray"))}
     meter = CpuMeter()
     runs = {k: 0 for k in executors}
@@ -140,6 +141,7 @@ def overhead(root: Path, tasks_n: int, repeats: int, store_dir: Path, console: C
             if kind not in noop or wall / items < noop[kind][0]:
                 noop[kind] = (wall / items, cpu / items)
     ray.shutdown()
+    shutil.rmtree(ray_temp, ignore_errors=True)
 
     table = Table(title=f"τ oracle, retail, {tasks_n} episodes, concurrency 1 (best of {repeats}, interleaved)")
     for col in ("executor", "wall ms/episode", "CPU ms/episode", "no-op item: wall ms", "no-op item: CPU ms"):
