@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from closedloop.evals.harness.executor import ExecutorConfig
 from closedloop.models.base import SamplingParams
 from closedloop.trainers.config import TrainConfig
 from closedloop.trainers.constrained import ConstraintSet, CostConstraint
@@ -107,6 +108,11 @@ class GRPOConfig(TrainConfig):
         "auto", description="Truncated IS correction pi_trainer/pi_sampler: auto = on with rollout_model.")
     importance_sampling_cap: float = Field(3.0, gt=0, description="Truncation of the IS weight (TRL default 3.0).")
     rollout_concurrency: int | None = Field(None, ge=1, description="Episodes run at once (null: all).")
+    executor: ExecutorConfig = Field(
+        default_factory=ExecutorConfig,
+        description="Where rollouts run: local (the live policy in this process, the default) or ray (executor.workers "
+                    "rollout actors, each a copy of the policy with executor.resources, weights pushed after each "
+                    "update; see closedloop.trainers.ray_rollout). A plain 'ray' reads as {kind: ray}.")
     max_batch_size: int = Field(64, ge=1, description="Largest decode batch of the live policy's client.")
     prefetch_rollouts: bool = Field(
         True, description="Start the next batch's episodes (environment reset, graph up to its first model call) "
@@ -121,6 +127,13 @@ class GRPOConfig(TrainConfig):
         default_factory=list, description="Cost budgets E[cost] <= budget (turns, tool_calls, completion_tokens, "
                                           "latency_s, component:NAME, info:KEY, module:function), each enforced by a "
                                           "Lagrange multiplier updated by dual ascent (trainers/constrained.py).")
+
+    @model_validator(mode="after")
+    def _one_rollout_engine(self) -> "GRPOConfig":
+        if self.executor.kind == "ray" and self.rollout_model:
+            raise ValueError("executor ray runs rollouts on actors holding copies of the policy; rollout_model names "
+                             "another engine: set one of them")
+        return self
 
     @property
     def sampling(self) -> SamplingParams:
@@ -355,19 +368,30 @@ def _train(session: TrainingSession, config: GRPOConfig, make_env: EnvFactory,
            on_step: Callable[[int, dict[str, float]], None] | None) -> list[dict[str, float]]:
     """The loop of :func:`train_grpo` on an open session; returns the metric history."""
     accel, policy, unwrapped = session.accelerator, session.model, session.unwrapped_model
-    client = _rollout_client(session, config)
     from closedloop.trainers.weight_sync import make_weight_sync
 
-    sync = make_weight_sync(client, config, accelerator=accel)  # rollout engine <- trainer weights, each step
-    if session.start_step:  # resumed: the engine starts from the checkpoint's weights
-        sync.push(unwrapped, session.start_step)
+    client: Any = None
+    actors = None
+    if config.executor.kind == "ray":  # rollout actors, each a copy of the policy (trainers/ray_rollout.py)
+        from closedloop.trainers.ray_rollout import RayRollouts
+
+        actors = RayRollouts.for_config(config, make_env, client_name=f"policy:{config.model_path}")
+        sync: Any = actors.sync
+        sync.push(unwrapped, session.start_step)  # the copies start from the trainer's weights
+        collect: Callable[..., Any] = actors.collect_groups
+    else:
+        client = _rollout_client(session, config)
+        sync = make_weight_sync(client, config, accelerator=accel)  # rollout engine <- trainer weights, each step
+        if session.start_step:  # resumed: the engine starts from the checkpoint's weights
+            sync.push(unwrapped, session.start_step)
+        collect = functools.partial(collect_groups, make_env,
+                                    GraphPolicy(client, config.graph, config.sampling, dict(config.graph_options)))
     use_is = config.importance_sampling == "on" or (config.importance_sampling == "auto" and bool(config.rollout_model))
     ref_model = _frozen_copy(unwrapped) if config.beta > 0 else None
     spec = reward_spec(config)
     constraints = ConstraintSet(config.constraints)
     if constraints and session.start_step:
         constraints.load(config.output_dir, session.start_step)  # λ as it was at the checkpoint
-    policy_def = GraphPolicy(client, config.graph, config.sampling, dict(config.graph_options))
     rank, total = accel.process_index, session.total_steps
     rng = random.Random(f"{config.seed}:{rank}")
     for _ in range(session.start_step):  # a resumed run draws the seeds it would have drawn
@@ -376,16 +400,15 @@ def _train(session: TrainingSession, config: GRPOConfig, make_env: EnvFactory,
     def start_rollout(step: int) -> Any:
         seeds = [config.train_seed_start + rng.randrange(config.train_seed_count)
                  for _ in range(config.prompts_per_step)]
-        return rollouts.submit(collect_groups(make_env, policy_def, seeds, config.num_generations,
-                                              max_steps=config.max_env_steps,
-                                              sample_seed=None if config.seed is None else
-                                              config.seed * 7919 + step * 104729 + rank,
-                                              concurrency=config.rollout_concurrency,
-                                              metadata={"step": step, "env": config.env}))
+        return rollouts.submit(collect(seeds, config.num_generations, max_steps=config.max_env_steps,
+                                       sample_seed=None if config.seed is None else
+                                       config.seed * 7919 + step * 104729 + rank,
+                                       concurrency=config.rollout_concurrency,
+                                       metadata={"step": step, "env": config.env}))
 
     # The next batch's episodes may start during the update only where generation can be held
     # until the weights are updated (the live policy's client; see trainers/rollout_thread.py).
-    prefetch = config.prefetch_rollouts and not config.rollout_model and hasattr(client, "paused")
+    prefetch = config.prefetch_rollouts and not config.rollout_model and hasattr(client, "paused")  # not on Ray
     rollouts = RolloutThread()
     pending = None
     hold = contextlib.ExitStack()  # holds client.paused() from a prefetch until the update is done
@@ -457,6 +480,8 @@ def _train(session: TrainingSession, config: GRPOConfig, make_env: EnvFactory,
         rollouts.close()  # cancels a prefetched rollout that will not be trained on (before its generation can start)
         hold.close()
         gc.unfreeze()
+        if actors is not None:
+            actors.close()
     sync.close()
     return history
 

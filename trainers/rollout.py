@@ -28,6 +28,7 @@ trainer gives such a turn no per-turn reward (None), not a reward of 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -157,34 +158,68 @@ class Group:
         return [e.reward for e in self.episodes]
 
 
-async def collect_groups(make_env: EnvFactory, policy: GraphPolicy, seeds: Iterable[int], group_size: int, *,
-                         max_steps: int = 16, sample_seed: int | None = None, concurrency: int | None = None,
-                         on_episode: Callable[[Episode], None] | None = None,
-                         metadata: dict[str, Any] | None = None) -> list[Group]:
-    """``group_size`` episodes per seed, all run concurrently (bounded by ``concurrency``).
+@dataclass(frozen=True)
+class EpisodeJob:
+    """One episode of a rollout batch: its environment seed (the group), its index in the group,
+    its sample seed and metadata. Picklable, so it can be sent to a rollout actor."""
 
-    ``sample_seed`` makes sampling reproducible: episode j of seed s samples with
-    ``sample_seed + 1000 * s + j`` (distinct within a group, so the group explores).
-    """
+    seed: int
+    sample: int
+    sample_seed: int | None
+    metadata: dict[str, Any]
+
+
+def plan_jobs(seeds: Iterable[int], group_size: int, *, sample_seed: int | None = None,
+              metadata: dict[str, Any] | None = None) -> list[EpisodeJob]:
+    """The batch's episodes, group by group. ``sample_seed`` makes sampling reproducible: episode j
+    of seed s samples with ``sample_seed + 1000 * s + j`` (distinct within a group, so the group
+    explores), wherever it runs."""
     if group_size < 1:
         raise ValueError("group_size must be >= 1")
-    seeds = list(seeds)
+    return [EpisodeJob(s, j, None if sample_seed is None else sample_seed + 1000 * s + j,
+                       {"group": s, "sample": j, **(metadata or {})})
+            for s in seeds for j in range(group_size)]
+
+
+async def run_jobs(make_env: EnvFactory, policy: GraphPolicy, jobs: list[EpisodeJob], *, max_steps: int = 16,
+                   concurrency: int | None = None,
+                   on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
+    """Every job's episode, all run concurrently (bounded by ``concurrency``), in job order."""
     sem = asyncio.Semaphore(concurrency) if concurrency else None
 
-    async def one(seed: int, j: int) -> Episode:
-        ss = None if sample_seed is None else sample_seed + 1000 * seed + j
-        meta = {"group": seed, "sample": j, **(metadata or {})}
-        if sem is None:
-            ep = await run_episode(make_env, policy, seed, max_steps=max_steps, sample_seed=ss, metadata=meta)
-        else:
-            async with sem:
-                ep = await run_episode(make_env, policy, seed, max_steps=max_steps, sample_seed=ss, metadata=meta)
+    async def one(job: EpisodeJob) -> Episode:
+        async with sem if sem is not None else contextlib.nullcontext():
+            ep = await run_episode(make_env, policy, job.seed, max_steps=max_steps, sample_seed=job.sample_seed,
+                                   metadata=job.metadata)
         if on_episode is not None:
             on_episode(ep)
         return ep
 
-    episodes = await asyncio.gather(*(one(s, j) for s in seeds for j in range(group_size)))
-    return [Group(s, list(episodes[i * group_size:(i + 1) * group_size])) for i, s in enumerate(seeds)]
+    return list(await asyncio.gather(*(one(j) for j in jobs)))
 
 
-__all__ = ["Episode", "EnvFactory", "GraphPolicy", "Group", "collect_groups", "run_episode"]
+def assemble_groups(jobs: list[EpisodeJob], episodes: list[Episode]) -> list[Group]:
+    """Episodes (in :func:`plan_jobs` order) back into their groups, one per seed given (a seed drawn
+    twice is two groups, as it was two initial states of the batch)."""
+    groups: list[Group] = []
+    for job, ep in zip(jobs, episodes, strict=True):
+        if job.sample == 0:
+            groups.append(Group(job.seed, []))
+        groups[-1].episodes.append(ep)
+    return groups
+
+
+async def collect_groups(make_env: EnvFactory, policy: GraphPolicy, seeds: Iterable[int], group_size: int, *,
+                         max_steps: int = 16, sample_seed: int | None = None, concurrency: int | None = None,
+                         on_episode: Callable[[Episode], None] | None = None,
+                         metadata: dict[str, Any] | None = None) -> list[Group]:
+    """``group_size`` episodes per seed, all run concurrently (bounded by ``concurrency``), seeded as
+    :func:`plan_jobs` says. (:class:`closedloop.trainers.ray_rollout.RayRollouts` runs the same jobs
+    on rollout actors.)"""
+    jobs = plan_jobs(seeds, group_size, sample_seed=sample_seed, metadata=metadata)
+    return assemble_groups(jobs, await run_jobs(make_env, policy, jobs, max_steps=max_steps, concurrency=concurrency,
+                                                on_episode=on_episode))
+
+
+__all__ = ["Episode", "EpisodeJob", "EnvFactory", "GraphPolicy", "Group", "assemble_groups", "collect_groups",
+           "plan_jobs", "run_episode", "run_jobs"]

@@ -12,6 +12,11 @@ Why it is shaped this way (the τ runner's design, now shared):
   outstanding, so a slow store holds the workers back instead of piling results up.
 * **Resume**: items already stored are left out of the plan by the caller
   (:func:`plan_remaining`); an item in flight at a crash has no row and runs again.
+* **Where items run**: ``executor`` (:mod:`closedloop.evals.harness.executor`): this process by
+  default, or Ray tasks for an :class:`ItemWork` that can leave the process. Everything above stays
+  here in the driver, whatever the executor: a remote item is awaited like a local one and its
+  result written by the same serialised writer. A remote scheduler places items by their
+  resource requests, so the in-process ``slots`` apply to local runs only.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from typing import Any, Awaitable, Callable, Generic, Hashable, Iterable, Literal, TypeVar
+
+from closedloop.evals.harness.executor import Executor, ItemWork, LocalExecutor
 
 __all__ = ["Outcome", "OUTCOMES", "BatchRunner", "ResourceSlots", "plan_remaining", "settings_differences"]
 
@@ -62,18 +69,24 @@ def plan_remaining(plan: list[T], done: set[Hashable], key: Callable[[T], Hashab
 
 
 class BatchRunner(Generic[T, R]):
-    """Runs ``run_item`` over items with ``concurrency`` workers and writes each result once."""
+    """Runs ``run_item`` over items with ``concurrency`` workers and writes each result once.
 
-    def __init__(self, run_item: Callable[[T], Awaitable[R]], write: Callable[[R], Any], *, concurrency: int = 1,
-                 item_timeout_s: float | None = None, on_timeout: Callable[[T, BaseException], R] | None = None,
+    ``run_item`` is a coroutine function (local only) or an :class:`ItemWork` (any executor)."""
+
+    def __init__(self, run_item: Callable[[T], Awaitable[R]] | ItemWork[T, R], write: Callable[[R], Any], *,
+                 concurrency: int = 1, item_timeout_s: float | None = None,
+                 on_timeout: Callable[[T, BaseException], R] | None = None,
                  on_error: Callable[[T, BaseException], R] | None = None, slots: ResourceSlots | None = None,
                  resource_of: Callable[[T], str | None] | None = None,
-                 after_write: Callable[[R], None] | None = None):
+                 after_write: Callable[[R], None] | None = None, executor: Executor | None = None):
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
-        self.run_item, self.write, self.concurrency = run_item, write, concurrency
+        self.executor = executor or LocalExecutor()
+        work = run_item if isinstance(run_item, ItemWork) else ItemWork(local=run_item)
+        self.run_item, self.write, self.concurrency = self.executor.bind(work), write, concurrency
         self.item_timeout_s, self.on_timeout, self.on_error = item_timeout_s, on_timeout, on_error
-        self.slots, self.resource_of, self.after_write = slots or ResourceSlots(), resource_of, after_write
+        self.slots, self.after_write = slots or ResourceSlots(), after_write
+        self.resource_of = resource_of if self.executor.in_process else None  # the cluster places them
         self._write_lock = asyncio.Lock()
         self._writes: set[asyncio.Task] = set()
         self.written = 0

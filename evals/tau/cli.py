@@ -1,8 +1,11 @@
 """``closedloop eval tau``: run (or resume) a τ-bench evaluation into the run store.
 
 Registered through the ``closedloop.benchmarks`` entry point ``tau`` (the core CLI imports no
-benchmark). Building the parser imports only argparse; rich and the τ machinery are imported by
-the handler, when an evaluation runs.
+benchmark). Building the parser imports only argparse (and the harness's argparse-only executor
+flags); rich and the τ machinery are imported by the handler, when an evaluation runs.
+
+``--executor ray [--ray-address ADDR]`` runs the episodes as Ray tasks (one CPU slot each, or
+``--ray-cpus``); results come back here and are written to the store exactly as locally.
 
 The evaluation is recorded as one ``eval`` run with one child run per episode, written as each
 episode ends, so a crash or Ctrl-C loses only the episodes in flight: rerun with the same
@@ -19,6 +22,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from closedloop.evals.harness.flags import add_executor_arguments
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -44,7 +49,8 @@ def register(bench: argparse._SubParsersAction) -> None:
                                         f"scripted user (the default for --agent oracle)")
     t.add_argument("--judge-model", help="model spec for NL assertions (without it those tasks are not graded)")
     t.add_argument("--trials", type=int, default=1, help="trials per task (pass^1..k)")
-    t.add_argument("--concurrency", type=int, default=4, help="episodes run at once")
+    t.add_argument("--concurrency", type=int, help="episodes run at once (default: 4; on Ray, as many as the "
+                                                     "cluster's --ray-cpus/--ray-gpus slots hold)")
     t.add_argument("--max-steps", type=int, default=200)
     t.add_argument("--max-errors", type=int, default=10)
     t.add_argument("--episode-timeout", type=float, metavar="S", help="seconds before an episode ends as timeout")
@@ -69,10 +75,12 @@ def register(bench: argparse._SubParsersAction) -> None:
     c.add_argument("--pass-k", choices=["capped", "per-task"],
                    help="pass^k up to the smallest trial count of any task (tau2, the default), or each k over "
                         "the tasks with k trials; import: as the file's info.conventions says, else tau2's")
+    add_executor_arguments(t)
     t.set_defaults(func=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
+    from closedloop.evals.harness import ExecutorUnavailable
     from closedloop.evals.tau.data import TauDataError
     from closedloop.evals.tau.runner import EvalConfigError
     from closedloop.plugins import PluginNotFound
@@ -83,7 +91,7 @@ def handle(args: argparse.Namespace) -> int:
         if not args.agent:
             raise ValueError("the following arguments are required: --agent")
         return asyncio.run(_tau(args))
-    except (TauDataError, EvalConfigError, PluginNotFound, ValueError) as e:
+    except (TauDataError, EvalConfigError, PluginNotFound, ValueError, ExecutorUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -194,11 +202,11 @@ async def _tau(args: argparse.Namespace) -> int:
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
-    from closedloop.evals.tau.agents import make_agent_factory
+    from closedloop.evals.harness import Resources, executor_config_from_args, make_executor
     from closedloop.evals.tau.data import resolve_data_root
     from closedloop.evals.tau.orchestrator import load_user_guidelines
     from closedloop.evals.tau.runner import EvalSettings, TauRunner, export_results
-    from closedloop.models import SamplingParams, make_client, parse_spec
+    from closedloop.models import parse_spec
     from closedloop.store import RunStore
 
     oracle = args.agent == "oracle"
@@ -212,8 +220,9 @@ async def _tau(args: argparse.Namespace) -> int:
     for spec in (None if oracle else args.model, None if user_spec == SCENARIO_USER else user_spec, args.judge_model):
         if spec:
             parse_spec(spec)  # a typo fails before anything is loaded
-    if args.trials < 1 or args.concurrency < 1:
+    if args.trials < 1 or (args.concurrency is not None and args.concurrency < 1):
         raise ValueError("--trials and --concurrency must be at least 1")
+    executor_config = executor_config_from_args(args)
 
     data, taskset, tasks = _load_tasks(args)
     root = resolve_data_root(args.data_dir)
@@ -225,40 +234,16 @@ async def _tau(args: argparse.Namespace) -> int:
             name = _resume_name(store, args)
         else:
             name = f"tau-{args.domain}-{args.split}-{args.agent}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    executor = make_executor(executor_config)  # ray: joins (or starts) the cluster here
+    concurrency = args.concurrency or executor.capacity(executor_config.resources or Resources())
     settings = EvalSettings(
         name=name, domain=args.domain, split=args.split, data_dir=str(root), task_file_sha256=taskset.sha256,
         task_ids=args.task_ids, agent=args.agent, model=None if oracle else args.model,
         user_model=None if user_spec == SCENARIO_USER else user_spec, judge_model=args.judge_model,
-        trials=args.trials, concurrency=args.concurrency, max_steps=args.max_steps, max_errors=args.max_errors,
+        trials=args.trials, concurrency=concurrency, max_steps=args.max_steps, max_errors=args.max_errors,
         episode_timeout_s=args.episode_timeout, seed=args.seed, clarify=args.clarify,
         temperature=None if oracle else args.temperature, max_tokens=None if oracle else args.max_tokens,
         user_temperature=args.user_temperature, **_convention_flags(args))
-
-    clients: list[Any] = []
-    agent_client = None if oracle else make_client(args.model)
-    user_client = None if settings.user_model is None else make_client(settings.user_model)
-    judge = make_client(args.judge_model) if args.judge_model else None
-    clients = [c for c in (agent_client, user_client, judge) if c is not None]
-
-    factories: dict[int, Any] = {}
-
-    def agents(trial: int):
-        if trial not in factories:
-            params = None if oracle else SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                                        seed=settings.seeds[trial])
-            factories[trial] = make_agent_factory(args.agent, agent_client, params=params)
-        return factories[trial]
-
-    def user_for(task):
-        if user_client is not None:
-            return user_client
-        if args.clarify:
-            from closedloop.evals.tau.clarify import ClarifyingScenarioUser
-
-            return ClarifyingScenarioUser(task)
-        from closedloop.evals.tau.oracle import ScenarioUser
-
-        return ScenarioUser(task)
 
     err = Console(stderr=True, highlight=False)
     out = Console(width=None if sys.stdout.isatty() else 120, highlight=False)
@@ -274,18 +259,18 @@ async def _tau(args: argparse.Namespace) -> int:
     def on_episode(sim, p) -> None:
         progress.update(bar["id"], completed=p.done, avg=_fmt(p.avg_reward), infra=p.infra_errors)
 
-    runner = TauRunner(settings, tasks, data, store, agents=agents, user_for=user_for, judge=judge,
-                       guidelines=load_user_guidelines(root), on_episode=on_episode, on_plan=on_plan)
     try:
-        with progress:
-            report = await runner.run(resume=resume)
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        err.print(f"[yellow]interrupted[/]: finished episodes are stored; resume with "
-                  f"[bold]--name {escape(name)}[/] (eval run {runner.parent_id})")
-        raise KeyboardInterrupt from None
+        runner = TauRunner.from_settings(settings, tasks, data, store, guidelines=load_user_guidelines(root),
+                                         executor=executor, on_episode=on_episode, on_plan=on_plan)
+        try:
+            with progress:
+                report = await runner.run(resume=resume)
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            err.print(f"[yellow]interrupted[/]: finished episodes are stored; resume with "
+                      f"[bold]--name {escape(name)}[/] (eval run {runner.parent_id})")
+            raise KeyboardInterrupt from None
     finally:
-        for c in clients:
-            await c.aclose()
+        executor.close()
     _print_summary(out, report, store)
     if args.export:
         n = export_results(store, name, tasks, args.export, git_commit=_git_commit())

@@ -22,6 +22,11 @@ Why it is shaped this way:
   the messages it had.
 * **Conventions** (:mod:`~closedloop.evals.tau.conventions`): tau2's unless the settings name ours
   (``gold_sync``, ``ungraded``, ``pass_k``); the summary and the export record which.
+* **Executor** (:mod:`closedloop.evals.harness.executor`): episodes run in this process (``local``)
+  or as Ray tasks (``ray``). One episode is :class:`EpisodeRunner`'s work either way; on Ray a
+  worker builds its own from the settings (:func:`episode_parts`: clients from the model specs,
+  the domain from its data root) and sends the finished, graded :class:`SimulationRun` back, and
+  the driver writes it as above. The store, the claim and the plan never leave the driver.
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
-from closedloop.evals.harness import BatchRunner, EvalBusyError, EvalClaim, settings_differences
-from closedloop.evals.tau.agents import AgentFactory
+from closedloop.evals.harness import (BatchRunner, EvalBusyError, EvalClaim, Executor, ItemWork, LocalExecutor,
+                                      Resources, settings_differences)
+from closedloop.evals.tau.agents import AgentFactory, make_agent_factory
 from closedloop.evals.tau.conventions import Conventions, PassKRule, UngradedRule
-from closedloop.evals.tau.data import DomainData
+from closedloop.evals.tau.data import DomainData, load_domain
 from closedloop.evals.tau.data_model import Task
 from closedloop.evals.tau.eval_store import (EpisodeRecord, find_eval, latest_episodes, load_episodes, needs_rerun,
                                              open_eval, record_episode, reopen_eval)
@@ -51,8 +57,9 @@ from closedloop.messages import Usage
 from closedloop.models.base import ModelClient, SamplingParams
 from closedloop.store import RunStateError, RunStore, pricing
 
-__all__ = ["EvalSettings", "EvalProgress", "EvalReport", "EvalConfigError", "TauRunner", "trial_seeds",
-           "summarize", "export_results", "RESUME_KEYS"]
+__all__ = ["EvalSettings", "EvalProgress", "EvalReport", "EvalConfigError", "EpisodeParts", "EpisodeRunner",
+           "TauRunner", "episode_parts", "run_remote_episode", "trial_seeds", "summarize", "export_results",
+           "RESUME_KEYS"]
 
 # Settings that change what an episode is; a resume with different values would mix two evals.
 RESUME_KEYS = ("domain", "split", "task_file_sha256", "agent", "model", "user_model", "judge_model", "seed",
@@ -99,6 +106,7 @@ class EvalSettings(BaseModel):
     gold_sync: bool = False  # conventions (closedloop.evals.tau.conventions); the defaults are tau2's
     ungraded: UngradedRule = "fail"
     pass_k: PassKRule = "capped"
+    executor: str = "local"  # where episodes ran (recorded; a resume may use another)
 
     @property
     def seeds(self) -> list[int]:
@@ -191,57 +199,23 @@ TrialAgents = Callable[[int], AgentFactory]  # trial index -> (task -> agent); p
 UserFactory = Callable[[Task], ModelClient]
 
 
-class TauRunner:
-    """Runs (or resumes) one named evaluation against a run store.
+class EpisodeRunner:
+    """One episode of an evaluation, run and graded: the work an executor places (this process, or a
+    Ray worker that built its own from the settings).
 
     ``agents(trial)`` returns the agent factory for a trial (its sampling seed differs);
     ``user_for(task)`` the user simulator's client for an episode (one shared model client, or a
-    fresh model-free user per episode). ``on_episode(sim, progress)`` is called after each
-    episode has been written; ``on_plan(progress)`` once, before the first one starts.
+    fresh model-free user per episode). ``workers``: grading processes (``None``: the settings').
     """
 
-    def __init__(self, settings: EvalSettings, tasks: list[Task], data: DomainData, store: RunStore, *,
-                 agents: TrialAgents, user_for: UserFactory, judge: ModelClient | None = None,
-                 guidelines: str | UserGuidelines | None = None,
-                 on_episode: Callable[[SimulationRun, EvalProgress], None] | None = None,
-                 on_plan: Callable[[EvalProgress], None] | None = None) -> None:
-        if not tasks:
-            raise EvalConfigError("no tasks to run")
-        ids = [t.id for t in tasks]
-        if len(set(ids)) != len(ids):
-            raise EvalConfigError(f"duplicate task ids: {sorted({i for i in ids if ids.count(i) > 1})}")
-        self.settings, self.tasks, self.data, self.store = settings, tasks, data, store
-        self.agents, self.user_for, self.judge, self.guidelines = agents, user_for, judge, guidelines
-        self.on_episode, self.on_plan = on_episode, on_plan
-        self.parent_id: str | None = None
+    def __init__(self, settings: EvalSettings, data: DomainData, *, agents: TrialAgents, user_for: UserFactory,
+                 judge: ModelClient | None = None, guidelines: str | UserGuidelines | None = None,
+                 workers: int | None = None) -> None:
+        self.settings, self.data, self.agents, self.user_for = settings, data, agents, user_for
+        self.judge, self.guidelines = judge, guidelines
         self._seeds = settings.seeds
-        self._ran = 0
+        self._workers_setting = workers if workers is not None else settings.workers
         self._pool: Any = None  # GradingPool, started with the first episode when settings ask for workers
-
-    # ------------------------------------------------------------------ the parent run
-
-    async def _open(self, resume: bool) -> tuple[str, list[EpisodeRecord], bool]:
-        s = self.settings
-        config = s.model_dump(mode="json")
-        existing = await asyncio.to_thread(find_eval, self.store, s.name)
-        if existing is None:
-            if resume:
-                raise EvalConfigError(f"no evaluation named {s.name!r} in {self.store.path} to resume")
-            run_id = await asyncio.to_thread(open_eval, self.store, s.name, config, graph=s.agent, model_spec=s.model)
-            return run_id, [], False
-        diff = s.differences(existing.config)
-        if diff:
-            lines = ", ".join(f"{k}: stored {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-            raise EvalConfigError(f"evaluation {s.name!r} exists with other settings ({lines}); "
-                                  f"use another --name or the same settings")
-        records = await asyncio.to_thread(load_episodes, self.store, existing.id)
-        try:
-            await asyncio.to_thread(reopen_eval, self.store, existing.id, config)
-        except RunStateError as e:
-            raise EvalConfigError(str(e)) from None
-        return existing.id, records, True
-
-    # ------------------------------------------------------------------ one episode
 
     async def _simulate(self, task: Task, trial: int) -> SimulationRun:
         s, seed = self.settings, self._seeds[trial]
@@ -270,7 +244,8 @@ class TauRunner:
                 orch.error = f"episode exceeded {s.episode_timeout_s:g} s"
         return orch.result()
 
-    async def _episode(self, task: Task, trial: int) -> SimulationRun:
+    async def episode(self, task: Task, trial: int) -> SimulationRun:
+        """The finished, graded episode; a harness or grading failure is part of the result."""
         try:
             sim = await self._simulate(task, trial)
         except Exception as e:  # a harness failure is not the agent's: listed apart, re-run on resume
@@ -285,13 +260,13 @@ class TauRunner:
         return sim
 
     def _workers(self) -> int:
-        workers = self.settings.workers
+        workers = self._workers_setting
         if workers is None:
             from closedloop.evals.tau.workers import default_workers
             workers = default_workers(self.settings.concurrency)
         return workers
 
-    def _start_pool(self) -> None:
+    def start_pool(self) -> None:
         """Start the grading processes before the first episode: their start-up (interpreter,
         imports, DB) then overlaps the first episodes' model calls instead of delaying their grades."""
         if self._pool is None and self._workers() > 0:
@@ -300,9 +275,14 @@ class TauRunner:
                                               grade_options={"gold_sync": self.settings.gold_sync})
             self._pool.start()
 
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
     async def _grade(self, sim: SimulationRun, task: Task) -> Any:
         if self._workers() > 0:  # in processes (closedloop.evals.tau.workers): grading no longer holds this GIL
-            self._start_pool()
+            self.start_pool()
             return await self._pool.grade(sim, task, self.judge)
         return await self._grade_here(sim, task)
 
@@ -318,6 +298,179 @@ class TauRunner:
             return await evaluate(sim, task, self.data.make_environment, self.judge, gold_sync=gold_sync)
         return await asyncio.to_thread(lambda: asyncio.run(evaluate(sim, task, self.data.make_environment, None,
                                                                     gold_sync=gold_sync)))
+
+
+@dataclass
+class EpisodeParts:
+    """The model-facing parts of an evaluation built from its settings, and the clients to close."""
+
+    agents: TrialAgents
+    user_for: UserFactory
+    judge: ModelClient | None
+    clients: list[ModelClient]
+
+    async def aclose(self) -> None:
+        for c in self.clients:
+            await c.aclose()
+
+
+def episode_parts(settings: EvalSettings) -> EpisodeParts:
+    """Agents, users and judge as ``closedloop eval tau`` runs them: clients from the settings' model
+    specs (``user_model`` None: the model-free scenario user, clarifying with ``clarify``), one
+    agent factory per trial with that trial's sampling seed."""
+    from closedloop.models import make_client
+
+    oracle = settings.agent == "oracle"
+    agent_client = None if oracle or settings.model is None else make_client(settings.model)
+    user_client = None if settings.user_model is None else make_client(settings.user_model)
+    judge = make_client(settings.judge_model) if settings.judge_model else None
+    factories: dict[int, AgentFactory] = {}
+
+    def agents(trial: int) -> AgentFactory:
+        if trial not in factories:
+            given = {"temperature": settings.temperature, "max_tokens": settings.max_tokens}
+            params = None if oracle else SamplingParams(**{k: v for k, v in given.items() if v is not None},
+                                                        seed=settings.seeds[trial])
+            factories[trial] = make_agent_factory(settings.agent, agent_client, params=params)
+        return factories[trial]
+
+    def user_for(task: Task) -> ModelClient:
+        if user_client is not None:
+            return user_client
+        if settings.clarify:
+            from closedloop.evals.tau.clarify import ClarifyingScenarioUser
+
+            return ClarifyingScenarioUser(task)
+        from closedloop.evals.tau.oracle import ScenarioUser
+
+        return ScenarioUser(task)
+
+    return EpisodeParts(agents, user_for, judge, [c for c in (agent_client, user_client, judge) if c is not None])
+
+
+@dataclass(frozen=True)
+class RemoteEpisode:
+    """What a Ray task is sent for one episode (pickled): the settings, where the domain's data is,
+    the user guidelines, the task (clarified ones included) and the trial. It comes back as the
+    graded :class:`SimulationRun`."""
+
+    settings: EvalSettings
+    domain: tuple[str, str, dict]  # (name, data root, options): load_domain's arguments
+    guidelines: str | UserGuidelines | None
+    task: Task
+    trial: int
+
+
+_WORKER_EPISODES: dict[str, EpisodeRunner] = {}
+_WORKER_DOMAINS: dict[str, DomainData] = {}
+
+
+async def run_remote_episode(job: RemoteEpisode) -> SimulationRun:
+    """One episode in a Ray worker. The worker loads a domain's data once (DB parsed once) and builds
+    an :class:`EpisodeRunner` (clients) once per evaluation, then reuses them for every episode it
+    is sent; grading runs here, in the episode's own CPU slot (no grading processes in a worker)."""
+    key = f"{job.settings.model_dump_json()}|{job.domain!r}|{job.guidelines!r}"
+    runner = _WORKER_EPISODES.get(key)
+    if runner is None:
+        name, root, options = job.domain
+        data = _WORKER_DOMAINS.get(repr(job.domain))
+        if data is None:
+            data = _WORKER_DOMAINS[repr(job.domain)] = load_domain(name, root, options=options)
+        parts = episode_parts(job.settings)
+        runner = EpisodeRunner(job.settings, data, agents=parts.agents, user_for=parts.user_for, judge=parts.judge,
+                               guidelines=job.guidelines, workers=0)
+        _WORKER_EPISODES.clear()  # one evaluation at a time per worker: the previous one's clients go
+        _WORKER_EPISODES[key] = runner
+    return await runner.episode(job.task, job.trial)
+
+
+class TauRunner:
+    """Runs (or resumes) one named evaluation against a run store.
+
+    The episode's parts are :class:`EpisodeRunner`'s (``agents``, ``user_for``, ``judge``,
+    ``guidelines``); :meth:`from_settings` builds them from the settings' model specs, which is
+    what an ``executor`` other than local needs (its workers build their own the same way).
+    ``on_episode(sim, progress)`` is called after each episode has been written; ``on_plan(progress)``
+    once, before the first one starts.
+    """
+
+    def __init__(self, settings: EvalSettings, tasks: list[Task], data: DomainData, store: RunStore, *,
+                 agents: TrialAgents, user_for: UserFactory, judge: ModelClient | None = None,
+                 guidelines: str | UserGuidelines | None = None,
+                 on_episode: Callable[[SimulationRun, EvalProgress], None] | None = None,
+                 on_plan: Callable[[EvalProgress], None] | None = None, executor: Executor | None = None,
+                 remote: bool = False, clients: list[ModelClient] | None = None) -> None:
+        if not tasks:
+            raise EvalConfigError("no tasks to run")
+        ids = [t.id for t in tasks]
+        if len(set(ids)) != len(ids):
+            raise EvalConfigError(f"duplicate task ids: {sorted({i for i in ids if ids.count(i) > 1})}")
+        self.settings, self.tasks, self.data, self.store = settings, tasks, data, store
+        self.guidelines = guidelines
+        self.on_episode, self.on_plan = on_episode, on_plan
+        self.executor: Executor = executor or LocalExecutor()
+        if not self.executor.in_process and not remote:
+            raise EvalConfigError(f"episodes with in-process agents cannot run on the {self.executor.name} executor; "
+                                  "build the runner with TauRunner.from_settings (model specs)")
+        self.episodes = EpisodeRunner(settings, data, agents=agents, user_for=user_for, judge=judge,
+                                      guidelines=guidelines)
+        self._remote = remote  # the parts can be rebuilt from the settings (from_settings)
+        self._clients = list(clients or [])
+        self.parent_id: str | None = None
+        self._ran = 0
+
+    @classmethod
+    def from_settings(cls, settings: EvalSettings, tasks: list[Task], data: DomainData, store: RunStore, *,
+                      guidelines: str | UserGuidelines | None = None, executor: Executor | None = None,
+                      **kw: Any) -> "TauRunner":
+        """A runner whose agents, users and judge come from the settings' model specs
+        (:func:`episode_parts`), so its episodes can run on any executor. On a remote executor no
+        model client is built here: the workers build theirs."""
+        executor = executor or LocalExecutor()
+        settings = settings.model_copy(update={"executor": executor.name})
+        if executor.in_process:
+            parts = episode_parts(settings)
+            return cls(settings, tasks, data, store, agents=parts.agents, user_for=parts.user_for, judge=parts.judge,
+                       guidelines=guidelines, executor=executor, remote=True, clients=parts.clients, **kw)
+
+        def unused(_: Any) -> Any:
+            raise RuntimeError("episodes of this evaluation run on the executor's workers")
+
+        return cls(settings, tasks, data, store, agents=unused, user_for=unused, guidelines=guidelines,
+                   executor=executor, remote=True, **kw)
+
+    def _work(self) -> ItemWork[tuple[Task, int], SimulationRun]:
+        """An episode for the executor: here, or (built from the settings) in a Ray task asking
+        ``executor.config.resources`` (default: one CPU slot, for grading)."""
+        domain = (self.data.name, str(self.data.folder.parents[2]), dict(self.data.options))
+        resources = self.executor.config.resources or Resources()
+        return ItemWork(local=lambda item: self.episodes.episode(*item),
+                        remote=run_remote_episode if self._remote else None,
+                        payload=lambda item: RemoteEpisode(self.settings, domain, self.guidelines, item[0], item[1]),
+                        resources=lambda item: resources)
+
+    # ------------------------------------------------------------------ the parent run
+
+    async def _open(self, resume: bool) -> tuple[str, list[EpisodeRecord], bool]:
+        s = self.settings
+        config = s.model_dump(mode="json")
+        existing = await asyncio.to_thread(find_eval, self.store, s.name)
+        if existing is None:
+            if resume:
+                raise EvalConfigError(f"no evaluation named {s.name!r} in {self.store.path} to resume")
+            run_id = await asyncio.to_thread(open_eval, self.store, s.name, config, graph=s.agent, model_spec=s.model)
+            return run_id, [], False
+        diff = s.differences(existing.config)
+        if diff:
+            lines = ", ".join(f"{k}: stored {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+            raise EvalConfigError(f"evaluation {s.name!r} exists with other settings ({lines}); "
+                                  f"use another --name or the same settings")
+        records = await asyncio.to_thread(load_episodes, self.store, existing.id)
+        try:
+            await asyncio.to_thread(reopen_eval, self.store, existing.id, config)
+        except RunStateError as e:
+            raise EvalConfigError(str(e)) from None
+        return existing.id, records, True
 
     def _record(self, sim: SimulationRun) -> None:
         assert self.parent_id is not None  # _run opens the parent before any episode is written
@@ -339,9 +492,10 @@ class TauRunner:
             return await self._run(resume)
         finally:
             claim.release()
-            if self._pool is not None:
-                self._pool.close()
-                self._pool = None
+            self.episodes.close()
+            for client in self._clients:
+                await client.aclose()
+            self._clients = []
 
     async def _run(self, resume: bool) -> EvalReport:
         start = time.perf_counter()
@@ -366,9 +520,9 @@ class TauRunner:
                 self.on_episode(sim, progress)
 
         batch: BatchRunner[tuple[Task, int], SimulationRun] = BatchRunner(
-            lambda item: self._episode(*item), self._record, concurrency=s.concurrency, after_write=after_write)
-        if queue:
-            self._start_pool()
+            self._work(), self._record, concurrency=s.concurrency, after_write=after_write, executor=self.executor)
+        if queue and self.executor.in_process:
+            self.episodes.start_pool()
         try:
             await batch.run(queue)
         except BaseException as exc:

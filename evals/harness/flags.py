@@ -1,0 +1,47 @@
+"""The executor flags of ``closedloop eval <benchmark>``: ``--executor {local,ray}``, ``--ray-address``,
+``--ray-cpus``, ``--ray-gpus``.
+
+Argparse only (the package's ``__init__`` imports lazily), so a benchmark's parser, built for
+``--help``, imports no pydantic, asyncio machinery or Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from closedloop.evals.harness.executor import ExecutorConfig
+
+__all__ = ["EXECUTORS", "add_executor_arguments", "executor_config_from_args"]
+
+EXECUTORS = ("local", "ray")
+
+
+def add_executor_arguments(parser: argparse.ArgumentParser, *, default_cpus: float = 1.0,
+                           default_gpus: float = 0.0) -> None:
+    """Add the executor flags; ``default_cpus``/``default_gpus``: the benchmark's request per item
+    (τ: one CPU slot for grading; KernelBench: one GPU per timed sample)."""
+    g = parser.add_argument_group("executor", "where episodes run: this process (local) or a Ray cluster (ray)")
+    g.add_argument("--executor", choices=EXECUTORS, default="local",
+                   help="local: this process (the default); ray: tasks on a Ray cluster, results written here "
+                        "(pip install 'closedloop[ray]')")
+    g.add_argument("--ray-address", metavar="ADDR",
+                   help="the Ray cluster to join (auto, HOST:6379, ray://HOST:10001); default: $RAY_ADDRESS, else a "
+                        "local Ray instance for this run")
+    g.add_argument("--ray-cpus", type=float, default=default_cpus, metavar="N",
+                   help=f"CPU slots per item on Ray (default {default_cpus:g}; fractions pack model-bound items)")
+    g.add_argument("--ray-gpus", type=float, default=default_gpus, metavar="N",
+                   help=f"GPUs per item on Ray (default {default_gpus:g})")
+
+
+def executor_config_from_args(args: argparse.Namespace) -> "ExecutorConfig":
+    """The :class:`~closedloop.evals.harness.executor.ExecutorConfig` the flags name; a cluster
+    address without ``--executor ray`` is refused rather than silently ignored (``--ray-cpus`` and
+    ``--ray-gpus`` have defaults, so they cannot tell whether they were given)."""
+    from closedloop.evals.harness.executor import ExecutorConfig, Resources
+
+    if args.executor != "ray" and args.ray_address:
+        raise ValueError("--ray-address needs --executor ray")
+    return ExecutorConfig(kind=args.executor, address=args.ray_address,
+                          resources=Resources(num_cpus=args.ray_cpus, num_gpus=args.ray_gpus))
