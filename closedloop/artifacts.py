@@ -220,13 +220,13 @@ def write_artifact(prefix: str, suffix: str, write: Callable[[BinaryIO], None], 
         with fh:
             write(fh)
             fh.truncate(fh.tell())
-        if partial.stat().st_size > reserve_bytes:
-            with _budget_lock(directory):
+        # The rename is under the lock too: a directory scan that runs while an entry is renamed
+        # may see neither name (readdir on a changing directory), and would count room that is taken.
+        with _budget_lock(directory):
+            if partial.stat().st_size > reserve_bytes:
                 used = _usage(directory)
                 if used > budget:
                     raise ArtifactError(_full_message(used - partial.stat().st_size, partial.stat().st_size, budget))
-                os.replace(partial, path)
-        else:
             os.replace(partial, path)  # never leave a half-written artifact behind
     except BaseException:
         partial.unlink(missing_ok=True)

@@ -1,7 +1,7 @@
 """Keep credentials out of everything closedloop writes or prints: the run store, exports, logs.
 
 A leaf module (standard library only), so any layer can import it without pulling in the store
-(``closedloop.store.redact`` re-exports it for older imports).
+(``closedloop.store`` re-exports ``redact``, ``redact_text`` and ``REDACTED`` for its users).
 
 Two nets, because secrets arrive two ways: under a telling key (``{"api_key": ...}`` in a config)
 and as bare strings (an ``sk-...`` key echoed in an exception, a ``Bearer`` header in a log line).

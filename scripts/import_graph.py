@@ -5,8 +5,8 @@ Every ``import`` and ``from ... import`` counts, at module level, inside functio
 reader), and so does ``importlib.import_module("closedloop....")`` with a literal name. An edge
 goes to the most specific library module named (``from closedloop.store import schema``: to
 ``closedloop.store.schema``; ``from closedloop.store import RunStore``: to ``closedloop.store``)
-and to each package on the way whose ``__init__`` that import runs: ``closedloop.models``
-importing ``closedloop.store.redact`` runs ``closedloop/store/__init__.py`` and all it imports.
+and to each package on the way whose ``__init__`` that import runs: ``closedloop.ui``
+importing ``closedloop.store.reads`` runs ``closedloop/store/__init__.py`` and all it imports.
 A module's own enclosing packages are no edge (a package importing its submodules, and they
 their siblings, is how packages work).
 

@@ -204,11 +204,11 @@ class TrainConfig(_Strict):
 
 def redacted_config(config: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
     """A config as JSON-able values with credentials redacted, by the run store's rules
-    (:mod:`closedloop.store.redact`: sensitive keys, URL userinfo, key shapes). Everything a trainer
+    (:mod:`closedloop.redact`: sensitive keys, URL userinfo, key shapes). Everything a trainer
     writes outside the store goes through it: ``train_config.json`` of each checkpoint, the config
     shown in TensorBoard, W&B and trackio. (A ``rollout_model`` of ``openai:m@http://user:key@host``
     or an ``env_options`` holding an ``api_key`` would otherwise land there verbatim.)"""
-    from closedloop.store.redact import redact
+    from closedloop.redact import redact
 
     data = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
     return dict(redact(data))

@@ -50,7 +50,7 @@ error shape, never a 500.
   a stream with the longest stop strings costs the event loop microseconds per token.
 * Errors and reports name the model as it is served: where a local model lives on this machine
   (its path, resolved or not) is replaced by the served name, and credentials in an ``openai:``
-  spec are redacted (:func:`closedloop.store.redact.redact_spec`), in error bodies, in-band stream
+  spec are redacted (:func:`closedloop.redact.redact_spec`), in error bodies, in-band stream
   errors, ``GET /closedloop/v1/weights`` and the server's own log.
 * Connections: header and body read timeouts, uvicorn's idle timeout and a connection cap
   (:mod:`closedloop.server.connections`; ``closedloop serve --header-timeout`` and its siblings).
@@ -419,7 +419,7 @@ class _Server:
     def public(self, text: str) -> str:
         """``text`` as a client may read it: where the served model lives on this machine is
         replaced by the name it is served as, and credentials (a proxied ``openai:`` spec's
-        ``user:key@`` or ``?api_key=``) are redacted (:func:`closedloop.store.redact.redact_spec`)."""
+        ``user:key@`` or ``?api_key=``) are redacted (:func:`closedloop.redact.redact_spec`)."""
         for private in self._private:
             text = text.replace(private, self.model_name)
         return redact_spec(text) or ""

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from closedloop.evals.harness.flags import EXECUTORS
 
 __all__ = ["EXECUTORS", "Executor", "ExecutorConfig", "ExecutorUnavailable", "ItemWork", "LocalExecutor",
-           "Resources", "make_executor", "worker_loop"]
+           "Resources", "worker_loop"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -151,20 +151,6 @@ class LocalExecutor:
 
     def close(self) -> None:
         return None
-
-
-def make_executor(config: ExecutorConfig | str | None = None) -> Executor:
-    """The executor a config names; ``ray`` without Ray installed is a clear error."""
-    cfg = ExecutorConfig.model_validate(config or "local")
-    if cfg.kind == "local":
-        return LocalExecutor(cfg)
-    try:
-        from closedloop.evals.harness.ray_executor import RayExecutor
-    except ModuleNotFoundError as e:
-        if e.name != "ray" and not (e.name or "").startswith("ray."):
-            raise
-        raise ExecutorUnavailable("--executor ray needs Ray: pip install 'closedloop[ray]'") from None
-    return RayExecutor(cfg)
 
 
 class _WorkerLoop:

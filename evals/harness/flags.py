@@ -8,12 +8,7 @@ Argparse only (the package's ``__init__`` imports lazily), so a benchmark's pars
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from closedloop.evals.harness.executor import ExecutorConfig
-
-__all__ = ["EXECUTORS", "add_executor_arguments", "executor_config_from_args"]
+__all__ = ["EXECUTORS", "add_executor_arguments"]
 
 EXECUTORS = ("local", "ray")
 
@@ -33,15 +28,3 @@ def add_executor_arguments(parser: argparse.ArgumentParser, *, default_cpus: flo
                    help=f"CPU slots per item on Ray (default {default_cpus:g}; fractions pack model-bound items)")
     g.add_argument("--ray-gpus", type=float, default=default_gpus, metavar="N",
                    help=f"GPUs per item on Ray (default {default_gpus:g})")
-
-
-def executor_config_from_args(args: argparse.Namespace) -> "ExecutorConfig":
-    """The :class:`~closedloop.evals.harness.executor.ExecutorConfig` the flags name; a cluster
-    address without ``--executor ray`` is refused rather than silently ignored (``--ray-cpus`` and
-    ``--ray-gpus`` have defaults, so they cannot tell whether they were given)."""
-    from closedloop.evals.harness.executor import ExecutorConfig, Resources
-
-    if args.executor != "ray" and args.ray_address:
-        raise ValueError("--ray-address needs --executor ray")
-    return ExecutorConfig(kind=args.executor, address=args.ray_address,
-                          resources=Resources(num_cpus=args.ray_cpus, num_gpus=args.ray_gpus))

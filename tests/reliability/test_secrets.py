@@ -24,7 +24,7 @@ from closedloop.messages import (AssistantMessage, LogprobSpec, ToolCall, ToolMe
 from closedloop.models import parse_spec
 from closedloop.store import REDACTED, RunStore
 from closedloop.store.batch import TOKEN_IDS_REDACTED
-from closedloop.store.redact import might_hold_secret, redact, redact_message, redact_spec, redact_text
+from closedloop.redact import might_hold_secret, redact, redact_message, redact_spec, redact_text
 from closedloop.tool import ToolResult
 
 SHORT_KEY = "sk-abc123"  # 6 characters after sk-: real test keys and proxies use these

@@ -9,7 +9,7 @@ import pytest
 
 from closedloop.messages import AssistantMessage, LogprobSpec, ToolCall, ToolMessage, Turn, UserMessage
 from closedloop.store import REDACTED, RunStore, redact, redact_text
-from closedloop.store.redact import is_sensitive_key, redact_arguments
+from closedloop.redact import is_sensitive_key, redact_arguments
 from closedloop.store.batch import TOKEN_IDS_REDACTED
 from closedloop.tool import ToolResult
 
@@ -111,7 +111,7 @@ _SAMPLES = [OPENAI_KEY, HF_TOKEN, "Bearer abcdefgh12345678", "ghp_" + "a" * 36, 
     '{"api_key": "abc"}', '{"apiKey": "abc"}', '{"x-api-key": "v"}', '{"password": "p"}', '{"Authorization": "x"}',
     '{"client_secret": "s"}', '{"access_key": "k"}', "HF_TOKEN: xyz"])
 def test_the_fast_check_flags_everything_a_rule_would_change(text):
-    from closedloop.store.redact import might_hold_secret
+    from closedloop.redact import might_hold_secret
 
     changed = redact_text(text) != text or redact_arguments(text) != text
     assert changed and might_hold_secret(text, [])
@@ -119,7 +119,7 @@ def test_the_fast_check_flags_everything_a_rule_would_change(text):
 
 
 def test_the_fast_check_passes_plain_text_and_checks_env_secrets():
-    from closedloop.store.redact import might_hold_secret
+    from closedloop.redact import might_hold_secret
 
     plain = '{"role": "assistant", "content": "The sum is 7.", "tool_calls": null}'
     assert not might_hold_secret(plain, [])

@@ -95,10 +95,11 @@ def test_a_bad_endpoint_is_refused_before_anything_is_read(sample, capsys):
 
 
 def test_live_recorder_exports_during_the_run_with_the_stored_export_ids(tmp_path):
-    from closedloop.graphs.react import build_react_graph
+    from closedloop.graphs.react import graph
     from closedloop.messages import AssistantMessage, FunctionCall, ToolCall, UserMessage
     from closedloop.models.scripted import ScriptedClient
     from closedloop.plugins import tool_registry
+    from closedloop.runtime.context import AgentContext
     from closedloop.runtime.execute import run_graph
     from closedloop.runtime.recording import StoreRecorder
     from closedloop.telemetry.live import OtelRecorder
@@ -106,13 +107,14 @@ def test_live_recorder_exports_during_the_run_with_the_stored_export_ids(tmp_pat
 
     client = ScriptedClient([AssistantMessage(tool_calls=[ToolCall(id="c1", function=FunctionCall(
         name="add", arguments='{"a": 3, "b": 4}'))]), AssistantMessage(content="7")])
-    graph = build_react_graph(client, tool_registry(["arithmetic"]))
+    context = AgentContext(client=client, tools=tool_registry(["arithmetic"]))
     store = RunStore(tmp_path / "runs.duckdb")
     run_id = store.start_run(kind="run", graph="react", model_spec=client.spec)
     with Receiver() as live_rx:
         recorder = OtelRecorder(StoreRecorder(store, run_id), run_id, graph="react", model_spec=client.spec,
                                 endpoint=live_rx.endpoint, content=True)
-        asyncio.run(run_graph(graph, {"messages": [UserMessage(content="What is 3 plus 4?")]}, recorder=recorder))
+        asyncio.run(run_graph(graph, {"messages": [UserMessage(content="What is 3 plus 4?")]}, context=context,
+                              recorder=recorder))
         recorder.flush()  # the turns and the tool call are out before the run ends
         assert {s.name for s in live_rx.spans} == {"chat scripted", "execute_tool add"}
         store.finish_run(run_id, "completed")

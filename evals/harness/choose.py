@@ -1,0 +1,38 @@
+"""Choosing the executor: from a config (:func:`make_executor`) or from the command-line flags of
+:mod:`~closedloop.evals.harness.flags` (:func:`executor_config_from_args`).
+
+Apart from :mod:`~closedloop.evals.harness.executor` because the Ray executor builds on that
+module's types: the choice imports both, neither imports the choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from closedloop.evals.harness.executor import Executor, ExecutorConfig, ExecutorUnavailable, LocalExecutor, Resources
+
+__all__ = ["executor_config_from_args", "make_executor"]
+
+
+def make_executor(config: ExecutorConfig | str | None = None) -> Executor:
+    """The executor a config names; ``ray`` without Ray installed is a clear error."""
+    cfg = ExecutorConfig.model_validate(config or "local")
+    if cfg.kind == "local":
+        return LocalExecutor(cfg)
+    try:
+        from closedloop.evals.harness.ray_executor import RayExecutor
+    except ModuleNotFoundError as e:
+        if e.name != "ray" and not (e.name or "").startswith("ray."):
+            raise
+        raise ExecutorUnavailable("--executor ray needs Ray: pip install 'closedloop[ray]'") from None
+    return RayExecutor(cfg)
+
+
+def executor_config_from_args(args: argparse.Namespace) -> ExecutorConfig:
+    """The :class:`~closedloop.evals.harness.executor.ExecutorConfig` the flags name; a cluster
+    address without ``--executor ray`` is refused rather than silently ignored (``--ray-cpus`` and
+    ``--ray-gpus`` have defaults, so they cannot tell whether they were given)."""
+    if args.executor != "ray" and args.ray_address:
+        raise ValueError("--ray-address needs --executor ray")
+    return ExecutorConfig(kind=args.executor, address=args.ray_address,
+                          resources=Resources(num_cpus=args.ray_cpus, num_gpus=args.ray_gpus))
