@@ -20,12 +20,15 @@ from pydantic import BaseModel, ConfigDict
 
 __all__ = ["STATUSES", "UNFIXABLE", "EvalResult", "parse_eval_result", "feedback_json", "better"]
 
-STATUSES = ("compile_error", "load_error", "policy_violation", "runtime_error", "shape_mismatch", "dtype_mismatch",
-            "incorrect", "timeout", "correct", "suspicious")
+#: The evaluator's statuses (``closedloop.evals.kernelbench.evaluate.STATUSES``, one layer up, so
+#: written out here; a test keeps the two equal). ``invalid_output``: the candidate's side sent
+#: something the judge cannot read (an unbuildable extension, a malformed or oversized reply).
+STATUSES = ("policy_violation", "compile_error", "load_error", "runtime_error", "shape_mismatch", "dtype_mismatch",
+            "incorrect", "invalid_output", "timeout", "correct", "suspicious", "reference_error", "infra_error")
 #: Statuses the agents add: no code could be extracted; the tool itself failed (not the candidate's fault).
 AGENT_STATUSES = ("no_code", "tool_error")
 #: Failures no change to the candidate can fix (the evaluator's or the problem's own): nothing to debug.
-UNFIXABLE = ("tool_error", "reference_error")
+UNFIXABLE = ("tool_error", "reference_error", "infra_error")
 
 
 class EvalResult(BaseModel):

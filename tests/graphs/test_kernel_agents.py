@@ -126,3 +126,16 @@ async def test_profile_report_puts_the_profile_first_and_long_reports_are_clippe
     assert '"profile"' in task and "more characters" in task and len(task) < 1500
     none, rec = await profile_code(ToolRegistry(), "code", call_id="p2")
     assert rec is None and "no profiler" in none
+
+
+def test_the_agents_know_every_status_the_evaluator_gives():
+    """The agents' list is written out (they sit a layer below the evaluator); it must not fall
+    behind: an unknown status would be debugged as if the candidate could fix it."""
+    from closedloop.agents.kernel.feedback import STATUSES, UNFIXABLE
+    from closedloop.evals.kernelbench.evaluate import STATUSES as EVALUATOR_STATUSES
+
+    assert set(STATUSES) == set(EVALUATOR_STATUSES)
+    infra = parse_eval_result(json.dumps({"status": "infra_error", "message": "the build cache lost a fresh build"}))
+    invalid = parse_eval_result(json.dumps({"status": "invalid_output", "message": "nested too deep"}))
+    assert not infra.fixable and "infra_error" in UNFIXABLE  # the evaluator's failure: nothing to debug
+    assert invalid.fixable and not invalid.correct  # the candidate's own output: another candidate may do better
