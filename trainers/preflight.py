@@ -4,8 +4,8 @@ A run that loads a model, trains for an hour and then finds that its ``output_di
 store path is ``/etc/passwd`` or wandb is not installed has wasted the hour; one that saves into
 ``/proc/self`` fails only at its first checkpoint. Each check here looks at the real thing instead
 of guessing from the path's spelling: the output directory is probed by creating (and removing) a
-directory with a file in it where the run will write, a store file must carry DuckDB's magic
-bytes, a model directory must hold a ``config.json`` and weights. Every function raises
+directory with a file in it where the run will write, a store file is checked as the store checks
+it, a model directory must hold a ``config.json`` and weights. Every function raises
 ``ValueError`` with one line that names the path and what is wrong with it; the config validators
 (:mod:`closedloop.trainers.config`) turn it into a field error.
 """
@@ -21,9 +21,6 @@ from pathlib import Path
 __all__ = ["check_model_dir", "check_output_dir", "check_resume", "check_sinks", "check_store_file",
            "check_dataset_path"]
 
-# DuckDB's file header: an 8-byte checksum, then these magic bytes.
-_DUCKDB_MAGIC = b"DUCK"
-_DUCKDB_MAGIC_AT = 8
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 # The package each optional metrics sink imports, and how to install it.
 _SINK_PACKAGES = {"wandb": ("wandb", "pip install wandb"), "trackio": ("trackio", "pip install trackio"),
@@ -102,30 +99,17 @@ def check_sinks(report_to: list[str]) -> None:
 
 
 def check_store_file(path: str | os.PathLike[str], *, must_exist: bool, what: str = "store") -> None:
-    """``path`` is a DuckDB file (a run store), or, with ``must_exist=False``, a new file in an
-    existing directory. A directory, a device (``/dev/null``), a text file and a path whose
-    directory is missing are refused here, before DuckDB would raise its own errors mid-run.
+    """``path`` is a run store, or, with ``must_exist=False``, a new file in an existing directory:
+    the store's own check (:func:`closedloop.store.location.check_store_path`: a directory, a
+    device, a file that is not DuckDB, a missing directory are refused) with ``what`` named, before
+    DuckDB would raise its own errors mid-run. Opening the store (which ``closedloop train`` also
+    does before any model loads) reports locks and schema versions."""
+    from closedloop.store.location import check_store_path
 
-    This is a local check of the file's kind only; opening the store (which ``closedloop train``
-    also does before any model loads) reports locks and schema versions."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        raise ValueError(f"{what} {str(path)!r} is a directory; give a file such as runs.duckdb")
-    if p.exists():
-        if not p.is_file():
-            raise ValueError(f"{what} {str(path)!r} is not a regular file")
-        try:
-            with open(p, "rb") as f:
-                header = f.read(_DUCKDB_MAGIC_AT + len(_DUCKDB_MAGIC))
-        except OSError as e:
-            raise ValueError(f"{what} {str(path)!r} cannot be read ({e.strerror or e})") from None
-        if header[_DUCKDB_MAGIC_AT:] != _DUCKDB_MAGIC:
-            raise ValueError(f"{what} {str(path)!r} is not a run store (not a DuckDB file)")
-        return
-    if must_exist:
-        raise ValueError(f"{what} {str(path)!r}: no such run store")
-    if not p.parent.is_dir():
-        raise ValueError(f"{what} {str(path)!r}: directory {str(p.parent)!r} does not exist")
+    try:
+        check_store_path(path, must_exist=must_exist)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
 
 
 def check_dataset_path(path: str) -> None:
