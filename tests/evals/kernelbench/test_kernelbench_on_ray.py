@@ -147,3 +147,16 @@ async def test_a_killed_worker_is_retried_or_an_infra_error_resume_reruns(ray_cl
     parent = store.list_runs(kind="eval", tag="eval:kill")[0]
     assert sorted(r.outcome["outcome"] for r in store.list_runs(limit=None, parent_id=parent.id)) == \
         ["graded", "infra_error"]  # the failed attempt stays on record; the verdict is the graded one
+
+
+def test_a_request_no_node_holds_is_refused_before_any_sample_runs(ray_cluster, kb_cache, tmp_path, capsys):
+    """``--ray-gpus 1`` replaces only the GPU part of a cpu sample's request (CPU 1, cpu_timing 1):
+    no node of this cluster has a GPU, so the run stops with a clear error instead of waiting."""
+    argv = ["eval", "kernelbench", "--problems", str(PROBLEMS), "--level", "1", "--candidate-source", "reference",
+            "--store", str(tmp_path / "s.duckdb"), "--name", "gpu", "--cache-dir", str(kb_cache), "--ray-gpus", "1"]
+    assert main(argv) == 2
+    assert "--ray-gpus needs --executor ray" in capsys.readouterr().err
+    assert main([*argv, "--executor", "ray"]) == 2
+    assert "no node of the Ray cluster has CPU 1, GPU 1, cpu_timing 1 for one item" in capsys.readouterr().err
+    parent = RunStore(tmp_path / "s.duckdb").list_runs(kind="eval", tag="eval:gpu")[0]
+    assert RunStore(tmp_path / "s.duckdb").list_runs(limit=None, parent_id=parent.id) == []  # no sample ran
