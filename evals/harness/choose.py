@@ -14,8 +14,13 @@ from closedloop.evals.harness.executor import Executor, ExecutorConfig, Executor
 __all__ = ["executor_config_from_args", "make_executor"]
 
 
-def make_executor(config: ExecutorConfig | str | None = None) -> Executor:
-    """The executor a config names; ``ray`` without Ray installed is a clear error."""
+def make_executor(config: ExecutorConfig | str | None = None, *,
+                  local_resources: dict[str, float] | None = None) -> Executor:
+    """The executor a config names; ``ray`` without Ray installed is a clear error.
+
+    ``local_resources``: custom resources a Ray instance started for this run declares (a
+    benchmark's per-node slots, e.g. KernelBench's ``cpu_timing``); a cluster that is joined
+    declares its own (``ray start --resources``)."""
     cfg = ExecutorConfig.model_validate(config or "local")
     if cfg.kind == "local":
         return LocalExecutor(cfg)
@@ -25,14 +30,17 @@ def make_executor(config: ExecutorConfig | str | None = None) -> Executor:
         if e.name != "ray" and not (e.name or "").startswith("ray."):
             raise
         raise ExecutorUnavailable("--executor ray needs Ray: pip install 'closedloop[ray]'") from None
-    return RayExecutor(cfg)
+    return RayExecutor(cfg, local_resources=local_resources)
 
 
 def executor_config_from_args(args: argparse.Namespace) -> ExecutorConfig:
-    """The :class:`~closedloop.evals.harness.executor.ExecutorConfig` the flags name; a cluster
-    address without ``--executor ray`` is refused rather than silently ignored (``--ray-cpus`` and
-    ``--ray-gpus`` have defaults, so they cannot tell whether they were given)."""
-    if args.executor != "ray" and args.ray_address:
-        raise ValueError("--ray-address needs --executor ray")
-    return ExecutorConfig(kind=args.executor, address=args.ray_address,
-                          resources=Resources(num_cpus=args.ray_cpus, num_gpus=args.ray_gpus))
+    """The :class:`~closedloop.evals.harness.executor.ExecutorConfig` the flags name; its
+    ``resources`` hold only the fields given (the benchmark's request fills the rest). A Ray flag
+    without ``--executor ray`` is refused rather than silently ignored."""
+    given = {k: v for k, v in (("num_cpus", args.ray_cpus), ("num_gpus", args.ray_gpus)) if v is not None}
+    if args.executor != "ray":
+        named = [flag for flag, v in (("--ray-address", args.ray_address), ("--ray-cpus", args.ray_cpus),
+                                      ("--ray-gpus", args.ray_gpus)) if v is not None]
+        if named:
+            raise ValueError(f"{', '.join(named)} needs --executor ray")
+    return ExecutorConfig(kind=args.executor, address=args.ray_address, resources=Resources(**given) if given else None)

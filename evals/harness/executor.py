@@ -52,6 +52,22 @@ class Resources(BaseModel):
     custom: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources, e.g. {'cpu_timing': 1} "
                                                                        "declared once per node.")
 
+    def over(self, default: "Resources") -> "Resources":
+        """``default`` with the fields given here replacing its own: ``--ray-cpus 2`` on a benchmark
+        whose items ask a GPU keeps the GPU."""
+        return default.model_copy(update={k: getattr(self, k) for k in self.model_fields_set})
+
+    def asked(self) -> dict[str, float]:
+        """The non-zero requests in Ray's resource names (``CPU``, ``GPU``, ``memory`` in bytes, custom)."""
+        asked = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.custom}
+        if self.memory_mb is not None:
+            asked["memory"] = self.memory_mb * 1024 * 1024
+        return {k: v for k, v in asked.items() if v > 0}
+
+    def describe(self) -> str:
+        """The request for a message, e.g. ``CPU 1, GPU 1, cpu_timing 1``."""
+        return ", ".join(f"{k} {v:g}" for k, v in self.asked().items()) or "nothing"
+
     def ray_options(self) -> dict[str, Any]:
         """Keyword options of ``ray.remote(...).options``."""
         out: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
@@ -84,6 +100,10 @@ class ExecutorConfig(BaseModel):
     max_retries: int = Field(3, ge=0, description="ray: times a task is re-run after its worker process or node died "
                                                   "(Ray's max_retries; an exception raised by the work is a result, "
                                                   "never retried).")
+
+    def item_resources(self, default: Resources) -> Resources:
+        """What one item asks for: the benchmark's ``default`` with the fields the user set."""
+        return self.resources.over(default) if self.resources is not None else default
 
     @model_validator(mode="before")
     @classmethod
@@ -126,7 +146,12 @@ class Executor(Protocol):
         ...
 
     def capacity(self, resources: Resources) -> int:
-        """How many items asking ``resources`` can run at once (the default concurrency)."""
+        """How many items asking ``resources`` can run at once (the default concurrency; at least 1)."""
+        ...
+
+    def check(self, resources: Resources) -> None:
+        """Raise :class:`ExecutorUnavailable` when no item asking ``resources`` could ever start
+        (on Ray: no node has them all), rather than letting the items wait forever."""
         ...
 
     def close(self) -> None:
@@ -148,6 +173,9 @@ class LocalExecutor:
 
     def capacity(self, resources: Resources) -> int:
         return 4  # the historical default of `closedloop eval --concurrency`
+
+    def check(self, resources: Resources) -> None:
+        return None  # in-process slots, not resource requests, bound local items
 
     def close(self) -> None:
         return None

@@ -41,13 +41,19 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def connect(config: ExecutorConfig, **init_options: Any) -> bool:
-    """Join the cluster the config names (or start a local Ray instance); returns whether this call
-    connected (and so should disconnect). A driver already connected is left as it is."""
+def connect(config: ExecutorConfig, *, local_resources: dict[str, float] | None = None, **init_options: Any) -> bool:
+    """Join the cluster the config names, else ``$RAY_ADDRESS``, else start a Ray instance for this
+    run (declaring ``local_resources``); returns whether this call connected (and so should
+    disconnect). A driver already connected is left as it is.
+
+    Why ``"local"`` and not Ray's default: ``ray.init()`` without an address joins whatever cluster
+    ``ray start`` last started on this host, which on a shared machine may be someone else's."""
     if ray.is_initialized():
         return False
-    address = config.address or os.environ.get("RAY_ADDRESS") or None
+    address = config.address or os.environ.get("RAY_ADDRESS") or "local"
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, **init_options}
+    if address == "local" and local_resources:
+        options["resources"] = dict(local_resources)
     if config.runtime_env:
         options["runtime_env"] = config.runtime_env
     ray.init(address=address, **options)
@@ -70,9 +76,10 @@ class RayExecutor:
     name = "ray"
     in_process = False  # the cluster's scheduler places items by their resource requests
 
-    def __init__(self, config: ExecutorConfig | None = None, **init_options: Any) -> None:
+    def __init__(self, config: ExecutorConfig | None = None, *, local_resources: dict[str, float] | None = None,
+                 **init_options: Any) -> None:
         self.config = config or ExecutorConfig(kind="ray")
-        self._connected = connect(self.config, **init_options)
+        self._connected = connect(self.config, local_resources=local_resources, **init_options)
 
     def bind(self, work: ItemWork[T, R]) -> Callable[[T], Awaitable[R]]:
         if not work.can_leave_process:
@@ -96,18 +103,31 @@ class RayExecutor:
 
         return run
 
+    @staticmethod
+    def _per_node(asked: dict[str, float]) -> list[int]:
+        """How many items asking ``asked`` (Ray's names) each alive node holds at once."""
+        return [min(int(n.get("Resources", {}).get(k, 0.0) / v) for k, v in asked.items())
+                for n in ray.nodes() if n.get("Alive")]
+
     def capacity(self, resources: Resources) -> int:
-        """Items asking ``resources`` that the cluster can run at once now (at least 1)."""
-        total = ray.cluster_resources()
-        fits = []
-        for key, want in resources.ray_options().items():
-            if key == "resources":
-                fits += [total.get(k, 0.0) / v for k, v in want.items() if v > 0]
-            elif key == "memory":
-                fits.append(total.get("memory", 0.0) / want)
-            elif key in ("num_cpus", "num_gpus") and want > 0:
-                fits.append(total.get("CPU" if key == "num_cpus" else "GPU", 0.0) / want)
-        return max(1, int(min(fits))) if fits else max(1, int(total.get("CPU", 1)))
+        """Items asking ``resources`` that the cluster's nodes hold at once now (at least 1), node
+        by node: two one-GPU nodes hold no item asking two GPUs."""
+        asked = resources.asked()
+        if not asked:
+            return max(1, int(ray.cluster_resources().get("CPU", 1)))
+        return max(1, sum(self._per_node(asked)))
+
+    def check(self, resources: Resources) -> None:
+        """No alive node holds one item asking ``resources``: an error now, not tasks pending forever
+        (an autoscaling cluster whose nodes with these resources are not up yet is refused too)."""
+        asked = resources.asked()
+        if asked and not any(self._per_node(asked)):
+            have = sorted({k for n in ray.nodes() if n.get("Alive") for k in n.get("Resources", {})
+                           if not k.startswith("node:") and "_group_" not in k})
+            raise ExecutorUnavailable(
+                f"no node of the Ray cluster has {resources.describe()} for one item (its nodes offer: "
+                f"{', '.join(have) or 'nothing'}); start nodes with them (ray start --num-gpus N, or --resources "
+                "'{\"NAME\": N}' for a custom one) or ask less (--ray-cpus, --ray-gpus)")
 
     def close(self) -> None:
         if self._connected and ray.is_initialized():

@@ -84,6 +84,7 @@ class BatchRunner(Generic[T, R]):
         self.executor = executor or LocalExecutor()
         work = run_item if isinstance(run_item, ItemWork) else ItemWork(local=run_item)
         self.run_item, self.write, self.concurrency = self.executor.bind(work), write, concurrency
+        self._resources_of = work.resources
         self.item_timeout_s, self.on_timeout, self.on_error = item_timeout_s, on_timeout, on_error
         self.slots, self.after_write = slots or ResourceSlots(), after_write
         self.resource_of = resource_of if self.executor.in_process else None  # the cluster places them
@@ -127,8 +128,14 @@ class BatchRunner(Generic[T, R]):
 
     async def run(self, items: list[T]) -> int:
         """Run every item; returns how many results were written. On cancellation or an error,
-        the workers stop, finished results still land, and the exception propagates."""
+        the workers stop, finished results still land, and the exception propagates. A resource
+        request the executor can never satisfy raises
+        :class:`~closedloop.evals.harness.executor.ExecutorUnavailable` before any item starts."""
         queue = list(items)
+        if self._resources_of is not None and not self.executor.in_process:  # a request no node can hold fails now, not after a silent wait
+            asked = {r.model_dump_json(): r for r in map(self._resources_of, queue)}
+            for resources in asked.values():
+                self.executor.check(resources)
         workers = [asyncio.ensure_future(self._worker(queue)) for _ in range(min(self.concurrency, len(queue)))]
         try:
             await asyncio.gather(*workers)

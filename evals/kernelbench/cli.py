@@ -6,7 +6,10 @@
     closedloop eval kernelbench --problems DIR --level 1 --candidate-source reference   # self-check
 
 Results go to the run store (one eval run, one child per sample), so an interrupted run resumes
-with the same ``--name``. Registered through the ``closedloop.benchmarks`` entry point.
+with the same ``--name``. ``--executor ray [--ray-address ADDR]`` runs the samples as Ray tasks
+(one GPU each on cuda; on cpu a CPU slot and the node's ``cpu_timing`` slot, which a joined
+cluster's nodes declare with ``ray start --resources '{"cpu_timing": 1}'``); verdicts come back
+here and are written exactly as locally. Registered through the ``closedloop.benchmarks`` entry point.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ import asyncio
 import hashlib
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
+
+from closedloop.evals.harness.flags import add_executor_arguments
 
 
 def register(bench: argparse._SubParsersAction) -> None:
@@ -39,7 +45,9 @@ def register(bench: argparse._SubParsersAction) -> None:
     k.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature of the agent (default: the graph's, greedy); pass@k with k > 1 needs > 0")
     k.add_argument("--sampling-seed", type=int, default=0, help="sample i of a problem samples with seed S + i")
-    k.add_argument("--concurrency", type=int, default=2, help="samples in flight (builds run in parallel; timing is serial)")
+    k.add_argument("--concurrency", type=int, default=None,
+                   help="samples in flight (default: 2 locally, builds in parallel and timing serial; on Ray, the "
+                        "samples the cluster's slots hold)")
     k.add_argument("--scale", type=float, default=1.0, help="scale module-level size constants (e.g. 0.015625 = 1/64)")
     k.add_argument("--policy", choices=["strict", "lenient", "off"], default="strict")
     k.add_argument("--trials", type=int, default=5, help="correctness trials")
@@ -54,16 +62,19 @@ def register(bench: argparse._SubParsersAction) -> None:
     k.add_argument("--resume", action="store_true", help="resume --name (refuse if it does not exist)")
     k.add_argument("--export", metavar="PATH", help="write KernelBench-style eval_results.json here")
     k.add_argument("--plot", metavar="PATH", help="write a speedup-distribution plot (PNG) here")
+    add_executor_arguments(k, per_item="cuda: 1 CPU slot and 1 GPU; cpu: 1 CPU slot and the node's cpu_timing slot; "
+                                       "triton: 1 CPU slot")
     k.set_defaults(func=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
+    from closedloop.evals.harness import ExecutorUnavailable
     from closedloop.evals.kernelbench.runner import KernelBenchConfigError
     from closedloop.plugins import PluginNotFound
 
     try:
         return asyncio.run(_run(args))
-    except (KernelBenchConfigError, PluginNotFound, ValueError, FileNotFoundError) as e:
+    except (KernelBenchConfigError, PluginNotFound, ValueError, FileNotFoundError, ExecutorUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -71,13 +82,12 @@ def handle(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
+    from closedloop.evals.harness import executor_config_from_args, make_executor
     from closedloop.evals.kernelbench.evaluate import backend_available
-    from closedloop.evals.kernelbench.export import plot_speedups, write_eval_results
     from closedloop.evals.kernelbench.problems import load_problems
-    from closedloop.evals.kernelbench.runner import KernelBenchRunner, KernelBenchSettings, graph_agent
+    from closedloop.evals.kernelbench.runner import (CPU_TIMING, KernelBenchSettings,
+                                                     sample_resources, settings_agent)
     from closedloop.store import RunStore
 
     source = args.candidate_source or ("files" if args.candidates else "agent")
@@ -90,8 +100,9 @@ async def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--candidate-source {source} does not match the options given")
     if args.agent and not args.model:
         raise ValueError(f"--agent {args.agent} needs --model")
-    if args.samples < 1 or args.concurrency < 1:
+    if args.samples < 1 or (args.concurrency is not None and args.concurrency < 1):
         raise ValueError("--samples and --concurrency must be at least 1")
+    executor_config = executor_config_from_args(args)
     ok, why = backend_available(args.backend)
     err = Console(stderr=True, highlight=False)
     if not ok:
@@ -103,21 +114,40 @@ async def _run(args: argparse.Namespace) -> int:
     settings = KernelBenchSettings(
         name=name, problems_dir=str(args.problems), problems_sha=sha, level=args.level, backend=args.backend,
         scale=args.scale, policy=args.policy, agent=args.agent, model=args.model, rounds=args.rounds,
-        candidates_dir=args.candidates, candidate_source=source, samples=args.samples, concurrency=args.concurrency,
+        candidates_dir=args.candidates, candidate_source=source, samples=args.samples, concurrency=1,
         temperature=args.temperature, sampling_seed=args.sampling_seed,
         item_timeout_s=args.item_timeout, trials=args.trials, atol=args.tolerance, rtol=args.tolerance,
-        iters=args.iters, compile_reference=args.compile_reference, cache_dir=args.cache_dir)
-    params = None
-    if args.temperature is not None:
-        from closedloop.graphs.kernel import KERNEL_PARAMS
-
-        params = KERNEL_PARAMS.model_copy(update={"temperature": args.temperature})
+        iters=args.iters, compile_reference=args.compile_reference,
+        # absolute: Ray workers do not share this process's working directory
+        cache_dir=str(Path(args.cache_dir).expanduser().resolve()) if args.cache_dir else None)
     if args.agent and args.samples > 1 and not args.temperature:
         err.print(f"[yellow]note[/]: {args.samples} samples per problem with greedy decoding are identical; "
                   "give --temperature > 0 for pass@k")
-    agent = graph_agent(args.agent, args.model, backend=args.backend, rounds=args.rounds, params=params,
-                        sampling_seed=args.sampling_seed) if args.agent else None
     store = RunStore(args.store) if args.store else RunStore()
+    # ray: joins (or starts, declaring the timing slot) the cluster here
+    executor = make_executor(executor_config, local_resources={CPU_TIMING: 1})
+    try:
+        concurrency = args.concurrency or (2 if executor.in_process else executor.capacity(
+            executor_config.item_resources(sample_resources(settings))))
+        settings = settings.model_copy(update={"concurrency": concurrency})
+        # on Ray the workers build the agent from the settings; here it is built only for local runs
+        agent = settings_agent(settings) if executor.in_process else None
+        return await _evaluate(args, settings, problems, store, agent, executor, err)
+    finally:
+        executor.close()
+
+
+async def _evaluate(args: argparse.Namespace, settings: Any, problems: list[Any], store: Any, agent: Any,
+                    executor: Any, err: Any) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from closedloop.evals.kernelbench.export import plot_speedups, write_eval_results
+    from closedloop.evals.kernelbench.runner import KernelBenchRunner
+
+    name = settings.name
     progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("correct {task.fields[correct]}"), TimeElapsedColumn(), console=err)
     bar: dict[str, Any] = {"correct": 0}
@@ -130,7 +160,8 @@ async def _run(args: argparse.Namespace) -> int:
             bar["correct"] += 1
         progress.update(bar["id"], advance=1, correct=bar["correct"])
 
-    runner = KernelBenchRunner(settings, problems, store, agent=agent, on_sample=on_sample, on_plan=on_plan)
+    runner = KernelBenchRunner(settings, problems, store, agent=agent, on_sample=on_sample, on_plan=on_plan,
+                               executor=executor)
     try:
         with progress:
             report = await runner.run(resume=args.resume)

@@ -11,6 +11,16 @@ or from the problems themselves (``candidate_source="reference"``: each problem'
 Outcomes (``closedloop.evals.harness.Outcome``): ``graded`` (the kernel got a verdict, whatever it
 is), ``agent_error`` (no code, or the agent failed), ``infra_error`` (the harness or the problem
 failed; run again on resume), ``timeout`` (the item exceeded ``item_timeout_s``).
+
+Where samples run (``executor``, :mod:`closedloop.evals.harness.executor`): in this process
+(``local``), or as Ray tasks (``ray``), one per sample, each asking :func:`sample_resources` (one
+GPU for a timed CUDA sample; for CPU timing one CPU slot and the node's one ``cpu_timing`` slot, so
+two judges never time on one node at once). A Ray worker process builds its evaluator and agent
+from the settings once per evaluation (:func:`run_remote_sample`) and runs the same
+:func:`run_sample` as the local path; the sandbox and its fork server live inside that worker,
+unchanged. Candidate files are read here, in the driver, and sent with the sample, so
+``candidates_dir`` need not be on a shared path. The store, the claim and the plan never leave the
+driver.
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field
 
-from closedloop.evals.harness import BatchRunner, EvalBusyError, EvalClaim, ResourceSlots, settings_differences
+from closedloop.evals.harness import (BatchRunner, EvalBusyError, EvalClaim, Executor, ItemWork, LocalExecutor,
+                                      ResourceSlots, Resources, settings_differences)
 from closedloop.evals.kernelbench.evaluate import KernelEvalConfig, KernelEvaluator, KernelResult
 from closedloop.evals.kernelbench.metrics import summarize
 from closedloop.evals.kernelbench.problems import Problem
@@ -31,6 +42,9 @@ from closedloop.messages import Trajectory
 
 EVAL_KIND = "eval"
 SAMPLE_KIND = "kernel_sample"
+#: The custom Ray resource a node declares once (``ray start --resources '{"cpu_timing": 1}'``): a
+#: CPU-timed sample holds it, so the judges of one node never time at the same time.
+CPU_TIMING = "cpu_timing"
 RESUME_KEYS = ("benchmark", "problems_sha", "backend", "scale", "policy", "agent", "model", "candidates_dir",
                "candidate_source", "seed", "trials", "atol", "rtol", "rounds")
 
@@ -71,6 +85,7 @@ class KernelBenchSettings(BaseModel):
     iters: int = 20
     compile_reference: bool = False
     cache_dir: str | None = None
+    executor: str = "local"  # where samples ran (recorded; a resume may use another)
 
     def source(self) -> str:
         if self.candidate_source is not None:
@@ -158,24 +173,143 @@ def graph_agent(agent: str, model: Any, *, backend: str = "cpu", rounds: int | N
     return run
 
 
+def settings_agent(settings: KernelBenchSettings) -> AgentRunner | None:
+    """The agent ``closedloop eval kernelbench`` runs for these settings (the graph ``agent`` with the
+    model spec ``model``, the settings' rounds, temperature and sampling seed), or None when the
+    candidates come from elsewhere. A Ray worker builds its agent the same way."""
+    if settings.source() != "agent" or settings.agent is None or settings.model is None:
+        return None
+    params = None
+    if settings.temperature is not None:
+        from closedloop.graphs.kernel import KERNEL_PARAMS
+
+        params = KERNEL_PARAMS.model_copy(update={"temperature": settings.temperature})
+    return graph_agent(settings.agent, settings.model, backend=settings.backend, rounds=settings.rounds,
+                       params=params, sampling_seed=settings.sampling_seed)
+
+
+def sample_resources(settings: KernelBenchSettings) -> Resources:
+    """What one sample asks a Ray cluster for: one GPU per timed CUDA sample; for CPU timing a CPU
+    slot and the node's ``cpu_timing`` slot (timing on one node is serial, as locally); Triton runs
+    under its CPU interpreter, untimed: a CPU slot. The sample holds it from its first model call
+    to its verdict (locally only the judge holds the timing slot; builds overlap it)."""
+    if settings.backend == "cuda":
+        return Resources(num_cpus=1, num_gpus=1)
+    if settings.backend == "cpu":
+        return Resources(num_cpus=1, custom={CPU_TIMING: 1})
+    return Resources(num_cpus=1)
+
+
+def read_candidate(settings: KernelBenchSettings, problem: Problem, sample_id: int) -> str | None:
+    """The candidate file's code for a sample (``candidate_source`` files), None when there is none."""
+    path = candidate_file(settings.candidates_dir or ".", problem, sample_id)
+    return path.read_text() if path is not None else None
+
+
+async def run_sample(settings: KernelBenchSettings, evaluator: KernelEvaluator, agent: AgentRunner | None,
+                     problem: Problem, sample_id: int, candidate: str | None = None) -> SampleOutcome:
+    """One sample, wherever it runs: the candidate (from the agent, the given candidate file's code
+    or the problem's reference), then its verdict. Never raises for what the agent or the candidate
+    does; a model server out of reach is an ``infra_error``."""
+    source = settings.source()
+    traj = None
+    if source == "reference":
+        return _graded(problem, sample_id, await evaluator.aevaluate_reference(problem, sample_id), None, None)
+    if source == "agent":
+        if agent is None:
+            raise RuntimeError("an agent evaluation without an agent")
+        try:
+            code, traj = await agent(problem, sample_id, evaluator)
+        except (OSError, ConnectionError) as e:
+            return SampleOutcome(problem, sample_id, "infra_error", None, error=f"model: {type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - the agent's own failure
+            return SampleOutcome(problem, sample_id, "agent_error", None, error=f"{type(e).__name__}: {e}")
+    elif candidate is None:
+        return SampleOutcome(problem, sample_id, "agent_error", None,
+                             error=f"no candidate file for {problem.key} sample {sample_id}")
+    else:
+        code = candidate
+    if not code:
+        return SampleOutcome(problem, sample_id, "agent_error", None, error="the agent produced no code",
+                             trajectory=traj)
+    result = await evaluator.aevaluate(problem, code, sample_id)
+    return _graded(problem, sample_id, result, code, traj)
+
+
+def _graded(problem: Problem, sample_id: int, result: KernelResult, code: str | None,
+            traj: Trajectory | None) -> SampleOutcome:
+    outcome = "infra_error" if result.status in ("reference_error", "infra_error") else "graded"
+    return SampleOutcome(problem, sample_id, outcome, result, code=code, trajectory=traj,
+                         error=result.message if outcome == "infra_error" else None)
+
+
+@dataclass(frozen=True)
+class RemoteSample:
+    """What a Ray task is sent for one sample (pickled): the settings, the problem, the sample id and,
+    for candidate files, the file's code as the driver read it. It comes back as the
+    :class:`SampleOutcome`."""
+
+    settings: KernelBenchSettings
+    problem: Problem
+    sample_id: int
+    candidate: str | None = None
+
+
+# One evaluation at a time per worker process: its evaluator (build cache, the fork server's
+# preloads, semaphores on the worker's one loop) and its agent (graph, model client).
+_WORKER: dict[str, tuple[KernelEvaluator, AgentRunner | None]] = {}
+
+
+async def run_remote_sample(job: RemoteSample) -> SampleOutcome:
+    """One sample in a Ray worker: the evaluator and the agent are built from the settings' specs
+    once per worker process and evaluation, then :func:`run_sample` runs as it does locally."""
+    key = job.settings.model_dump_json()
+    parts = _WORKER.get(key)
+    if parts is None:
+        for _, previous in _WORKER.values():  # the previous evaluation's model client goes
+            client = getattr(previous, "client", None)
+            if client is not None:
+                await client.aclose()
+        _WORKER.clear()
+        evaluator = KernelEvaluator(job.settings.eval_config(), slots=ResourceSlots({"cpu-timing": 1, "gpu0": 1}))
+        parts = _WORKER[key] = (evaluator, settings_agent(job.settings))
+    evaluator, agent = parts
+    return await run_sample(job.settings, evaluator, agent, job.problem, job.sample_id, job.candidate)
+
+
 class KernelBenchRunner:
-    """Runs (or resumes) one named KernelBench evaluation against a run store."""
+    """Runs (or resumes) one named KernelBench evaluation against a run store.
+
+    ``executor``: where samples run (default: this process). On a remote executor the workers build
+    the agent from the settings (``agent`` and ``model`` specs, :func:`settings_agent`), so no
+    ``agent`` object is given then."""
 
     def __init__(self, settings: KernelBenchSettings, problems: list[Problem], store: Any, *,
                  agent: AgentRunner | None = None, on_sample: Callable[[SampleOutcome], None] | None = None,
-                 on_plan: Callable[[int, int], None] | None = None):
+                 on_plan: Callable[[int, int], None] | None = None, executor: Executor | None = None):
         if not problems:
             raise KernelBenchConfigError("no problems to run")
+        self.executor: Executor = executor or LocalExecutor()
         source = settings.source()
-        if source == "agent" and agent is None:
+        if source == "agent" and not self.executor.in_process:
+            if agent is not None:
+                raise KernelBenchConfigError(f"an in-process agent cannot run on the {self.executor.name} executor; "
+                                             "give the graph and the model spec in the settings (agent, model)")
+            if settings.agent is None or settings.model is None:
+                raise KernelBenchConfigError(f"samples on the {self.executor.name} executor build their agent from "
+                                             "the settings: give agent and model")
+        elif source == "agent" and agent is None:
             raise KernelBenchConfigError("give an agent (graph + model), a candidates directory or candidate_source "
                                          "'reference'")
         if source == "files" and settings.candidates_dir is None:
             raise KernelBenchConfigError("candidate_source 'files' needs a candidates directory")
-        self.settings, self.problems, self.store = settings, problems, store
+        self.settings = settings.model_copy(update={"executor": self.executor.name})
+        self.problems, self.store = problems, store
         self.agent, self.on_sample, self.on_plan = agent, on_sample, on_plan
         self.slots = ResourceSlots({"cpu-timing": 1, "gpu0": 1})
-        self.evaluator = KernelEvaluator(settings.eval_config(), slots=self.slots)
+        # samples judged here share one evaluator (and its device slot); remote workers build theirs
+        self.evaluator = (KernelEvaluator(self.settings.eval_config(), slots=self.slots)
+                          if self.executor.in_process else None)
         self.parent_id: str | None = None
 
     # ---------------------------------------------------------------- store
@@ -207,9 +341,10 @@ class KernelBenchRunner:
         runs = sorted(self.store.list_runs(limit=None, parent_id=parent_id, kind=SAMPLE_KIND), key=lambda r: r.started_at)
         for run in runs:
             out = run.outcome or {}
-            key = (out.get("problem"), out.get("sample_id"))
-            if key[0] is None:
+            problem, sample_id = out.get("problem"), out.get("sample_id")
+            if problem is None or sample_id is None:
                 continue
+            key = (str(problem), int(sample_id))
             prev = best.get(key)
             if prev is None or prev["outcome"] == "infra_error" or out.get("outcome") != "infra_error":
                 best[key] = out
@@ -232,37 +367,23 @@ class KernelBenchRunner:
                                      parent_id=self.parent_id, error=so.error)
 
     # ---------------------------------------------------------------- one sample
+    def _candidate(self, problem: Problem, sample_id: int) -> str | None:
+        return read_candidate(self.settings, problem, sample_id) if self.settings.source() == "files" else None
+
     async def _sample(self, item: tuple[Problem, int]) -> SampleOutcome:
         problem, sample_id = item
-        traj = None
-        if self.settings.source() == "reference":
-            result = await self.evaluator.aevaluate_reference(problem, sample_id)
-            return self._graded(problem, sample_id, result, None, None)
-        if self.agent is not None:
-            try:
-                code, traj = await self.agent(problem, sample_id, self.evaluator)
-            except (OSError, ConnectionError) as e:
-                return SampleOutcome(problem, sample_id, "infra_error", None, error=f"model: {type(e).__name__}: {e}")
-            except Exception as e:  # noqa: BLE001 - the agent's own failure
-                return SampleOutcome(problem, sample_id, "agent_error", None, error=f"{type(e).__name__}: {e}")
-        else:
-            path = candidate_file(self.settings.candidates_dir, problem, sample_id)
-            if path is None:
-                return SampleOutcome(problem, sample_id, "agent_error", None,
-                                     error=f"no candidate file for {problem.key} sample {sample_id}")
-            code = path.read_text()
-        if not code:
-            return SampleOutcome(problem, sample_id, "agent_error", None, error="the agent produced no code",
-                                 trajectory=traj)
-        result = await self.evaluator.aevaluate(problem, code, sample_id)
-        return self._graded(problem, sample_id, result, code, traj)
+        assert self.evaluator is not None  # local samples only
+        return await run_sample(self.settings, self.evaluator, self.agent, problem, sample_id,
+                                self._candidate(problem, sample_id))
 
-    @staticmethod
-    def _graded(problem: Problem, sample_id: int, result: KernelResult, code: str | None,
-                traj: Trajectory | None) -> SampleOutcome:
-        outcome = "infra_error" if result.status in ("reference_error", "infra_error") else "graded"
-        return SampleOutcome(problem, sample_id, outcome, result, code=code, trajectory=traj,
-                             error=result.message if outcome == "infra_error" else None)
+    def _work(self) -> ItemWork[tuple[Problem, int], SampleOutcome]:
+        """A sample for the executor: here, or (built from the settings) in a Ray task asking
+        :func:`sample_resources`, with what ``--ray-cpus``/``--ray-gpus`` replace."""
+        resources = self.executor.config.item_resources(sample_resources(self.settings))
+        return ItemWork(local=self._sample, remote=run_remote_sample,
+                        payload=lambda item: RemoteSample(self.settings, item[0], item[1],
+                                                          self._candidate(item[0], item[1])),
+                        resources=lambda item: resources)
 
     # ---------------------------------------------------------------- the evaluation
     async def run(self, *, resume: bool = False) -> KernelBenchReport:
@@ -298,8 +419,8 @@ class KernelBenchRunner:
         def on_error(item, exc) -> SampleOutcome:
             return SampleOutcome(item[0], item[1], "infra_error", None, error=f"harness: {type(exc).__name__}: {exc}")
 
-        batch = BatchRunner(self._sample, self._record, concurrency=s.concurrency, item_timeout_s=s.item_timeout_s,
-                            on_timeout=on_timeout, on_error=on_error, after_write=after)
+        batch = BatchRunner(self._work(), self._record, concurrency=s.concurrency, item_timeout_s=s.item_timeout_s,
+                            on_timeout=on_timeout, on_error=on_error, after_write=after, executor=self.executor)
         try:
             await batch.run(queue)
         except BaseException as exc:
@@ -323,7 +444,9 @@ class KernelBenchRunner:
         if self.parent_id is None:
             raise RuntimeError("the evaluation has not been opened")
         planned = {(p.key, k) for p in self.problems for k in range(self.settings.samples)}
-        results, outcomes, errors = [], {}, []
+        results: list[KernelResult] = []
+        outcomes: dict[str, int] = {}
+        errors: list[dict[str, Any]] = []
         for key, out in sorted(self._stored(self.parent_id).items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
             if key not in planned:
                 continue
