@@ -362,7 +362,9 @@ class _Conversation:
         return init
 
     def _check_candidate(self, when: str) -> None:
-        why = self.cand.foreign(self.allowed_threads)
+        # as many threads as the reference's process runs now: it runs the same loop on the same
+        # device, so runtime threads that start late (CUDA's own, at its first call) count for both
+        why = self.cand.foreign(max(self.allowed_threads, task_count(self.ref.worker or 0)))
         if why is not None:
             raise Verdict("policy_violation", f"{why} ({when})")
 
