@@ -74,13 +74,28 @@ def prepare(dest: Path) -> int:
     return 0
 
 
+def unprepared(dest: Path) -> list[str]:
+    """The ``name==version`` lines of ``wheels.txt`` with no wheel in ``dest`` (a wheel's file
+    name starts ``{name}-{version}-`` with the name's runs of ``-_.`` as one ``_``)."""
+    have = {tuple(normalise(x) for x in p.name.split("-")[:2]) for p in dest.glob("*.whl")}
+    return [f"{n}=={v}" for n, v in carried() if (normalise(n), normalise(v)) not in have]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     prep = sub.add_parser("prepare", help="download the wheels into DEST (default: .whl/ at the repository root)")
     prep.add_argument("--dest", type=Path, default=REPO / ".whl")
     sub.add_parser("list", help="print the carried wheels")
+    ver = sub.add_parser("verify", help="exit 1, naming them, when wheels of wheels.txt are missing from DEST")
+    ver.add_argument("--dest", type=Path, default=REPO / ".whl")
     args = p.parse_args(argv)
+    if args.cmd == "verify":
+        missing = unprepared(args.dest)
+        if missing:
+            print(f"{args.dest} lacks {', '.join(missing)}: run `bash scripts/gpu_check.sh --prepare-wheels` "
+                  "where a package index is reachable", file=sys.stderr)
+        return 1 if missing else 0
     if args.cmd == "list":
         for name, ver in carried():
             print(f"{name}=={ver}")
