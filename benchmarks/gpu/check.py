@@ -10,7 +10,7 @@ hangs (a server that never comes up, a kernel that never ends) must cost its own
 part writes its record after every result (``common.Recorder``); when it is killed, the report
 keeps what it had written and says where it stopped. Why the report is rewritten after every
 part: if the whole command is cut short, what is on disk is still a complete report of the parts
-that ran. What each part measures: ``docs/gpu/README.md``.
+that ran. What each part measures: its docstring; how to run the check: README.md, "The GPU check".
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 from common import HERE, REPO, normalise
 from report import render_markdown
 
-GRACE_S = 10.0  # beyond a part's own deadline, before it is killed (it closes its record itself first)
+GRACE_S = 5.0  # beyond a part's own deadline, before it is killed (it closes its record itself first)
 LOG_TAIL = 4000
 LOG_CAP = 200_000  # bytes of one part's log kept in log.txt
 
@@ -41,7 +41,7 @@ LOG_CAP = 200_000  # bytes of one part's log kept in log.txt
 class Part:
     name: str
     script: str
-    gpu_s: float  # its deadline on the GPU machine (they add up to the 8-minute budget)
+    gpu_s: float  # its own deadline on the GPU machine (the run's budget caps them together)
     dry_s: float  # its deadline in a dry run (generous: CI machines are loaded; the deadline is not tested there)
     what: str
 
@@ -56,7 +56,20 @@ PARTS = (
     Part("training", "part_training.py", 100, 600, "SFT tokens/s and GRPO step time vs TRL, bf16, peak memory"),
     Part("serving", "part_serving.py", 75, 600, "closedloop serve vs transformers serve --continuous-batching"),
 )
-DEFAULT_BUDGET_S = 470.0  # of the 8 minutes: the rest is the wheels' install and the report
+DEFAULT_BUDGET_S = 420.0  # of the 8 minutes: the rest is the wheels' install, the graces and the report
+STOP_S = 10.0  # _stop's longest wait for one part (SIGTERM, then SIGKILL)
+COMMAND_LIMIT_S = 600.0  # one command on the device machine (the wheels' install included)
+INSTALL_S = 45.0  # the wheels and closedloop into a folder on PYTHONPATH (scripts/gpu_check.sh), offline
+
+
+def plan(budget_s: float = DEFAULT_BUDGET_S) -> dict[str, Any]:
+    """What a GPU run will do and its worst case: every part at its deadline, killed after its
+    grace. The worst case must end inside one device command, with room for the wheels' install."""
+    worst = budget_s + len(PARTS) * (GRACE_S + STOP_S)
+    return {"parts": [{"name": x.name, "gpu_s": x.gpu_s, "dry_s": x.dry_s, "what": x.what} for x in PARTS],
+            "budget_s": budget_s, "worst_case_s": worst, "command_limit_s": COMMAND_LIMIT_S,
+            "install_s": INSTALL_S,
+            "fits": INSTALL_S + worst <= COMMAND_LIMIT_S, "outputs": ["report.json", "report.md", "log.txt"]}
 
 
 def _child_cpu() -> float:
@@ -181,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default=None, help=f"comma-separated, in this order: {','.join(x.name for x in PARTS)}")
     p.add_argument("--budget-s", type=float, default=None,
                    help=f"all parts together (default {DEFAULT_BUDGET_S:.0f} on a GPU; none in a dry run)")
+    p.add_argument("--plan", action="store_true", help="print the plan and its worst case as JSON, run nothing")
     args = p.parse_args(argv)
+    if args.plan:
+        print(json.dumps(plan(args.budget_s if args.budget_s is not None else DEFAULT_BUDGET_S), indent=1))
+        return 0
     wanted = [x.strip() for x in args.parts.split(",")] if args.parts else [x.name for x in PARTS]
     unknown = sorted(set(wanted) - {x.name for x in PARTS})
     if unknown:

@@ -23,7 +23,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import ncu
