@@ -196,13 +196,17 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"all parts together (default {DEFAULT_BUDGET_S:.0f} on a GPU; none in a dry run)")
     p.add_argument("--plan", action="store_true", help="print the plan and its worst case as JSON, run nothing")
     args = p.parse_args(argv)
-    if args.plan:
-        print(json.dumps(plan(args.budget_s if args.budget_s is not None else DEFAULT_BUDGET_S), indent=1))
-        return 0
     wanted = [x.strip() for x in args.parts.split(",")] if args.parts else [x.name for x in PARTS]
     unknown = sorted(set(wanted) - {x.name for x in PARTS})
     if unknown:
         p.error(f"unknown parts {unknown}; choose from {[x.name for x in PARTS]}")
+    if {"training", "serving"} & set(wanted):
+        wanted.append("model")  # they train and serve its checkpoint, built in this run's scratch folder
+    if args.plan:
+        out = plan(args.budget_s if args.budget_s is not None else DEFAULT_BUDGET_S)
+        out["runs"] = [x.name for x in PARTS if x.name in wanted]
+        print(json.dumps(out, indent=1))
+        return 0
     budget = args.budget_s if args.budget_s is not None else (None if args.dry_run else DEFAULT_BUDGET_S)
     tmp = None
     work = args.work

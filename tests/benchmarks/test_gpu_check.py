@@ -57,6 +57,11 @@ def test_plan_fits_one_device_command() -> None:
     big = json.loads(subprocess.run([sys.executable, str(CHECK), "--plan", "--budget-s", "600"], capture_output=True,
                                     text=True, check=True).stdout)
     assert not big["fits"]
+    # a re-run of the parts that use the model part's checkpoint builds it first
+    some = json.loads(subprocess.run([sys.executable, str(CHECK), "--plan", "--parts", "serving,triton"],
+                                     capture_output=True, text=True, check=True).stdout)
+    assert some["runs"] == ["model", "triton", "serving"]
+    assert plan["runs"] == names
 
 
 def test_dry_run_exits_clean_and_writes_its_files(dry_run: tuple[subprocess.CompletedProcess, Path]) -> None:
