@@ -20,7 +20,8 @@ Matched settings: model, prompts per step (P) and generations per prompt (G), ma
 temperature 1.0 (top-p 1, no top-k), learning rate and linear schedule, loss_type, epsilon 0.2,
 beta 0, num_iterations 1, group reward scaling, max_grad_norm 1.0, one optimizer step per
 generation batch in one micro-batch (TRL: ``per_device_train_batch_size = P*G``,
-``gradient_accumulation_steps = steps_per_generation = 1``), one torch thread, CPU, no vLLM, no
+``gradient_accumulation_steps = steps_per_generation = 1``), one torch thread, the same device (a
+GPU when there is one, else the CPU) and precision (``--mixed-precision``), no vLLM, no
 evaluation, no reporting. Sampling seeds differ (each trainer seeds its own way), so the reward
 curves are two samples of the same process, not identical curves.
 
@@ -161,7 +162,7 @@ def run_ours(model_path: str, out: Path, args: argparse.Namespace, plan: list[li
                      max_steps=args.steps, per_device_batch_size=batch, gradient_accumulation_steps=1,
                      max_batch_size=max(64, batch), max_length=None, logging_steps=1, save_steps=None,
                      report_to=["none"], torch_threads=1, seed=args.seed,
-                     prefetch_rollouts=args.prefetch_rollouts == "on")
+                     prefetch_rollouts=args.prefetch_rollouts == "on", mixed_precision=args.mixed_precision)
     ends: list[float] = []
     rows_per_step: list[list[dict[str, Any]]] = []
 
@@ -222,7 +223,8 @@ def run_trl(model_path: str, out: Path, args: argparse.Namespace, plan: list[lis
                      learning_rate=args.lr, lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0,
                      loss_type=args.loss_type, beta=0.0, num_iterations=1, epsilon=0.2, scale_rewards="group",
                      max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", eval_strategy="no",
-                     use_vllm=False, use_cpu=True, shuffle_dataset=False, seed=args.seed, bf16=False, fp16=False,
+                     use_vllm=False, use_cpu=not torch.cuda.is_available(), shuffle_dataset=False, seed=args.seed,
+                     bf16=args.mixed_precision == "bf16", fp16=args.mixed_precision == "fp16",
                      dataloader_pin_memory=False, disable_tqdm=True, log_completions=False)
     trainer = GRPOTrainer(model=model, reward_funcs=[correct, format], args=cfg,
                           train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[Marks()])
@@ -321,6 +323,8 @@ def main() -> None:
                                                          "model warmed up for 100 steps when built)")
     p.add_argument("--prefetch-rollouts", choices=["on", "off"], default="on",
                    help="closedloop starts the next batch's episodes during the update (GRPOConfig.prefetch_rollouts)")
+    p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"],
+                   help="both trainers: autocast with float32 master weights (a GPU, when there is one, is used by both)")
     p.add_argument("--out", default="out/bench_grpo_vs_trl", help="folder for results.json and rewards.png")
     args = p.parse_args()
     if args.quick:

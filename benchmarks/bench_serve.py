@@ -89,10 +89,10 @@ def free_port() -> int:
 
 def start_server(model: Path, port: int, max_tokens: int, max_batch_size: int,
                  torch_threads: int | None, engine: str = "process", prompt_cache_tokens: int | None = None,
-                 engine_cpus: str = "auto") -> subprocess.Popen:
+                 engine_cpus: str = "auto", device: str = "cpu") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "closedloop", "serve", "--model", f"hf:{model}", "--port", str(port),
            "--served-name", "tiny", "--max-tokens", str(max_tokens), "--max-batch-size", str(max_batch_size),
-           "--engine", engine, "--engine-cpus", engine_cpus]
+           "--engine", engine, "--engine-cpus", engine_cpus, "--device", device]
     if prompt_cache_tokens is not None:
         cmd += ["--prompt-cache-tokens", str(prompt_cache_tokens)]
     env = dict(os.environ)
@@ -102,10 +102,14 @@ def start_server(model: Path, port: int, max_tokens: int, max_batch_size: int,
     return spawn(cmd, env, port)
 
 
-def start_peer(model: Path, port: int, torch_threads: int | None) -> subprocess.Popen:
-    """``transformers serve MODEL --continuous-batching`` (paged attention, its own scheduler)."""
+def start_peer(model: Path, port: int, torch_threads: int | None, device: str = "cpu",
+               kv_blocks: int | None = None) -> subprocess.Popen:
+    """``transformers serve MODEL --continuous-batching`` (paged attention, its own scheduler);
+    ``kv_blocks`` caps its paged cache (``--cb-num-blocks``; None: its own sizing)."""
     cmd = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", str(model),
-           "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--continuous-batching"]
+           "--host", "127.0.0.1", "--port", str(port), "--device", device, "--continuous-batching"]
+    if kv_blocks is not None:
+        cmd += ["--cb-num-blocks", str(kv_blocks)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     if torch_threads:
         env["OMP_NUM_THREADS"] = str(torch_threads)
@@ -267,7 +271,7 @@ def in_process(model: Path, args: argparse.Namespace, prompts: list[str]) -> lis
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    client = HFClient.from_pretrained(model, max_batch_size=args.max_batch_size, batch_wait_ms=0,
+    client = HFClient.from_pretrained(model, device=args.device, max_batch_size=args.max_batch_size, batch_wait_ms=0,
                                       prompt_cache_tokens=SERVE_PROMPT_CACHE_TOKENS if args.prompt_cache_tokens is None
                                       else args.prompt_cache_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, seed=args.seed)
@@ -390,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-cpus", choices=["auto", "none"], default="auto",
                     help="closedloop serve's --engine-cpus: bind the engine and the server to separate CPUs "
                          "(default, as serve) or leave placement to the OS")
+    ap.add_argument("--device", default="cpu", help="both servers' torch device (cpu, cuda)")
+    # On a CPU the peer sizes its paged cache from the machine's memory and faults it in at the first
+    # request: 14 s of system time on a 2-core machine (measured), for a toy model's few tokens.
+    ap.add_argument("--peer-kv-blocks", type=int, default=None,
+                    help="cap the peer's paged KV cache (--cb-num-blocks; default: its own sizing)")
     ap.add_argument("--in-process", action="store_true",
                     help="also drive hf: directly in this process (no HTTP): the decode worker's ceiling")
     ap.add_argument("--json", type=Path, help="also write the figures here")
@@ -413,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.peer == "transformers":
             port = free_port()
-            procs.append(start_peer(model, port, args.torch_threads or None))
+            procs.append(start_peer(model, port, args.torch_threads or None, args.device, args.peer_kv_blocks))
             url = f"http://127.0.0.1:{port}/v1"
             prompts = asyncio.run(answerable(url, str(model), PROMPTS, args.max_tokens, args.seed))
             if not prompts:
@@ -424,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             servers["peer"] = (url, str(model))
         port = free_port()
         procs.append(start_server(model, port, args.max_tokens, args.max_batch_size, args.torch_threads or None,
-                                  args.engine, args.prompt_cache_tokens, args.engine_cpus))
+                                  args.engine, args.prompt_cache_tokens, args.engine_cpus, args.device))
         servers["closedloop"] = (f"http://127.0.0.1:{port}/v1", "tiny")
         runs = measure(servers, args, prompts)
         cache = (batch_stats(servers["closedloop"][0]) or {}).get("prompt_cache")

@@ -19,6 +19,7 @@ Threat model (what a candidate cannot do, what it can): ``evals/kernelbench/READ
 from __future__ import annotations
 
 import asyncio
+import glob
 import hashlib
 import importlib.util
 import json
@@ -177,9 +178,21 @@ SANDBOX_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_
                "MALLOC_TOP_PAD_": str(64 << 20), "OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def cuda_device_nodes() -> list[str]:
+    """NVIDIA's device files (``/dev/nvidiactl``, ``/dev/nvidia0``, ``/dev/nvidia-uvm``, ...):
+    CUDA opens them read-write, which Landlock refuses unless they are named writable."""
+    return sorted(glob.glob("/dev/nvidia*"))
+
+
 def _limits(cfg: KernelEvalConfig, writable: list[str] | None = None) -> SandboxLimits:
     lim = cfg.limits.model_copy(deep=True)
     lim.writable_paths = list(lim.writable_paths) + list(writable or [])
+    if cfg.backend == "cuda":
+        # CUDA reserves far more virtual address space than any RLIMIT_AS that would still contain
+        # a process (its unified address space spans host and device memory), so the address-space
+        # limit is off on this backend (README: what it does not guarantee)
+        lim.writable_paths += cuda_device_nodes()
+        lim.memory_mb = None
     lim.threads = cfg.threads
     env = {**SANDBOX_ENV, **lim.env}
     if cfg.backend == "triton":

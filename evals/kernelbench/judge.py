@@ -362,7 +362,12 @@ class _Conversation:
         return init
 
     def _check_candidate(self, when: str) -> None:
-        why = self.cand.foreign(self.allowed_threads)
+        allowed = self.allowed_threads
+        if self.req.device != "cpu":
+            # as many threads as the reference's process runs now: it runs the same loop on the same
+            # device, and CUDA starts its own threads at a process's first call, not at load
+            allowed = max(allowed, task_count(self.ref.worker or 0))
+        why = self.cand.foreign(allowed)
         if why is not None:
             raise Verdict("policy_violation", f"{why} ({when})")
 

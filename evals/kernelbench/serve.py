@@ -251,6 +251,12 @@ class _Server:
         _seed(self.fwd_seed)
         return {"op": "ok"}
 
+    def _on_device(self, args: list[Any]) -> list[Any]:
+        """A call's inputs (tensors over the arena, on the CPU) on the model's device."""
+        if self.device == "cpu":
+            return args
+        return [a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args]
+
     def go(self, msg: dict, fds: list[int]) -> dict:
         """The forwards of the first ``n`` slots, back to back: the only step the judge credits
         (``n`` = 0 measures what a request costs by itself)."""
@@ -260,9 +266,7 @@ class _Server:
         try:
             with torch.no_grad():
                 for args in self.slots[:n]:
-                    if self.device != "cpu":
-                        args = [a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args]
-                    outs.append(fn(*args))
+                    outs.append(fn(*self._on_device(args)))
             if self.device == "cuda":
                 torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001
@@ -304,7 +308,8 @@ class _Server:
         for _ in range(2):
             _seed(self.fwd_seed)
             with torch.no_grad():
-                outs.append(self.model(*[a.clone() if isinstance(a, torch.Tensor) else a for a in self.slots[0]]))
+                outs.append(self.model(*self._on_device([a.clone() if isinstance(a, torch.Tensor) else a
+                                                         for a in self.slots[0]])))
         a, b = (o if isinstance(o, (list, tuple)) else [o] for o in outs)
         same = all(torch.equal(x, y) for x, y in zip(a, b) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor))
         return {"op": "selfcheck", "deterministic": bool(same)}
@@ -314,7 +319,7 @@ class _Server:
 
         with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(3):
-                self.model(*[a.clone() if isinstance(a, torch.Tensor) else a for a in self.slots[0]])
+                self.model(*self._on_device([a.clone() if isinstance(a, torch.Tensor) else a for a in self.slots[0]]))
         rows = []
         for ev in sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]:
             rows.append({"op": str(ev.key)[:200], "calls": int(ev.count), "self_cpu_ms": ev.self_cpu_time_total / 1e3 / 3,
