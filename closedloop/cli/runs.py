@@ -15,12 +15,13 @@ import argparse
 import json
 import re
 import sys
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from closedloop.messages import AssistantMessage
 from closedloop.store import TERMINAL_STATUSES, RunNotFoundError, RunRecord, RunStore, RunSummary
 from closedloop.store.export import rows_for, write_jsonl
 
@@ -46,7 +47,7 @@ def _store(args: argparse.Namespace) -> RunStore:
     return RunStore(args.store)
 
 
-def _fmt_time(ts) -> str:
+def _fmt_time(ts: datetime | None) -> str:
     return ts.strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
 
 
@@ -91,7 +92,7 @@ def _show(run: RunRecord, console: Console) -> None:
     console.rule(f"messages ({len(run.messages)})")
     for i, m in enumerate(run.messages):
         extra = ""
-        if getattr(m, "tool_calls", None):
+        if isinstance(m, AssistantMessage) and m.tool_calls:
             extra = "  -> " + ", ".join(f"{c.name}({c.function.arguments})" for c in m.tool_calls)
         console.print(f"{i:>3} {m.role}: {m.text}{extra}", markup=False)
 

@@ -13,11 +13,16 @@ revival; LangGraph has no public registration hook yet, and a test fails if that
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any, Literal
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
 
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+
+if TYPE_CHECKING:  # imported where it is used: aiosqlite only for a sqlite checkpointer
+    from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
 STATE_TYPES = [
     ("closedloop.messages", "SystemMessage"),
@@ -81,9 +86,10 @@ def make_checkpointer(kind: Literal["memory", "sqlite"] = "memory", path: str | 
 
 class _SqliteContext:
     def __init__(self, path: str, serde: JsonPlusSerializer) -> None:
-        self.path, self.serde, self._cm = path, serde, None
+        self.path, self.serde = path, serde
+        self._cm: AbstractAsyncContextManager[AsyncSqliteSaver] | None = None
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> AsyncSqliteSaver:
         from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
@@ -92,5 +98,8 @@ class _SqliteContext:
         saver.serde = self.serde
         return saver
 
-    async def __aexit__(self, *exc):
-        return await self._cm.__aexit__(*exc)
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool | None:
+        if self._cm is None:
+            raise RuntimeError("the sqlite checkpointer was exited without being entered")
+        return await self._cm.__aexit__(exc_type, exc, tb)

@@ -10,17 +10,33 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable
+from typing import Any
+
+from pydantic import BaseModel
 
 from closedloop.evals.kernelbench.evaluate import KernelResult
 
 
-def kernelbench_entry(r: KernelResult) -> dict:
+class KernelBenchEntry(BaseModel):
+    """One sample in upstream's ``eval_results.json``; the field names are upstream's, so tools
+    written for KernelBench read our files."""
+
+    sample_id: int
+    compiled: bool
+    correctness: bool
+    metadata: dict[str, Any]  # upstream's free-form bag; its keys vary with the status
+    runtime: float  # candidate mean, ms; -1.0 when not timed
+    runtime_stats: dict[str, float]
+    ref_runtime: float  # reference mean, ms; -1.0 when not timed
+
+
+def kernelbench_entry(r: KernelResult) -> KernelBenchEntry:
     compiled = r.status not in ("compile_error", "load_error", "policy_violation")
     cand = r.timings.get("candidate", {})
     ref = r.timings.get("reference", {})
-    meta = {"status": r.status, "message": r.message[:2000], "backend": r.backend, "scale": r.scale,
+    meta: dict[str, Any] = {"status": r.status, "message": r.message[:2000], "backend": r.backend, "scale": r.scale,
             "scaled_constants": r.scaled_constants, "speedup": r.speedup, "speedup_mean": r.speedup_mean,
             "speedup_ci": r.speedup_ci, "timing_unstable": r.timing_unstable, "max_difference": r.max_diff,
             "avg_difference": r.mean_diff, "hardware": "cpu" if r.backend == "cpu" else None, "device": r.backend}
@@ -32,20 +48,18 @@ def kernelbench_entry(r: KernelResult) -> dict:
         meta["excessive_speedup"] = True
     if not r.timed:
         meta["not_timed"] = r.not_timed_reason or "not timed"
-    stats = {k: cand[k] for k in ("mean", "std", "min", "max", "num_trials") if k in cand}
-    if "median" in cand:
-        stats["median"] = cand["median"]
-    return {"sample_id": r.sample_id, "compiled": compiled, "correctness": r.correct,
-            "metadata": meta, "runtime": cand.get("mean", -1.0) if r.timed else -1.0,
-            "runtime_stats": stats, "ref_runtime": ref.get("mean", -1.0) if r.timed else -1.0}
+    stats = {k: cand[k] for k in ("mean", "std", "min", "max", "num_trials", "median") if k in cand}
+    return KernelBenchEntry(sample_id=r.sample_id, compiled=compiled, correctness=r.correct, metadata=meta,
+                            runtime=cand.get("mean", -1.0) if r.timed else -1.0, runtime_stats=stats,
+                            ref_runtime=ref.get("mean", -1.0) if r.timed else -1.0)
 
 
 def write_eval_results(results: Iterable[KernelResult], path: str | Path) -> dict[int, Path]:
     """Write ``eval_results.json`` (one level) or ``eval_results_level<N>.json`` per level when the
     results span several; returns {level: path}."""
-    by_level: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    by_level: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for r in sorted(results, key=lambda r: (r.level, r.problem_id, r.sample_id)):
-        by_level[r.level][str(r.problem_id)].append(kernelbench_entry(r))
+        by_level[r.level][str(r.problem_id)].append(kernelbench_entry(r).model_dump())
     path = Path(path)
     out: dict[int, Path] = {}
     for level, data in by_level.items():
@@ -56,7 +70,7 @@ def write_eval_results(results: Iterable[KernelResult], path: str | Path) -> dic
     return out
 
 
-def plot_speedups(results: Iterable[KernelResult], path: str | Path) -> Path | None:
+def plot_speedups(results: Sequence[KernelResult], path: str | Path) -> Path | None:
     """A histogram of log2 speedups of correct samples (suspicious ones marked). None (and nothing
     written) when matplotlib is not installed."""
     try:

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable, Set as AbstractSet
+from typing import Any
 
 from closedloop.evals.kernelbench.evaluate import KernelResult
 
 P_VALUES = (0.0, 0.5, 0.8, 1.0, 1.5, 2.0)
 
 
-def _counts(res: KernelResult, reviewed: set[tuple[str, int]]) -> bool:
+def _counts(res: KernelResult, reviewed: AbstractSet[tuple[str, int]]) -> bool:
     return res.status == "correct" or (res.status == "suspicious" and (res.problem, res.sample_id) in reviewed)
 
 
@@ -29,7 +30,7 @@ def _speedup(res: KernelResult) -> float | None:
     return None if res.timing_unstable else res.speedup
 
 
-def best_per_problem(results: Iterable[KernelResult], reviewed: set[tuple[str, int]] = frozenset()) -> dict[str, KernelResult]:
+def best_per_problem(results: Iterable[KernelResult], reviewed: AbstractSet[tuple[str, int]] = frozenset()) -> dict[str, KernelResult]:
     best: dict[str, KernelResult] = {}
     for r in results:
         b = best.get(r.problem)
@@ -40,7 +41,7 @@ def best_per_problem(results: Iterable[KernelResult], reviewed: set[tuple[str, i
 
 
 def fast_p(results: Iterable[KernelResult], p: float, *, num_problems: int | None = None,
-           reviewed: set[tuple[str, int]] = frozenset()) -> float:
+           reviewed: AbstractSet[tuple[str, int]] = frozenset()) -> float:
     """Fraction of problems (``num_problems``, default: those with results) that are correct with
     speedup > p. Untimed correct samples count only for p = 0."""
     best = best_per_problem(results, reviewed)
@@ -59,7 +60,7 @@ def fast_p(results: Iterable[KernelResult], p: float, *, num_problems: int | Non
     return hits / n
 
 
-def geomean_speedup(results: Iterable[KernelResult], reviewed: set[tuple[str, int]] = frozenset()) -> float | None:
+def geomean_speedup(results: Iterable[KernelResult], reviewed: AbstractSet[tuple[str, int]] = frozenset()) -> float | None:
     """Geometric mean of speedups over correct (timed) samples; None when there are none."""
     sp = [s for r in results if _counts(r, reviewed) and (s := _speedup(r)) and s > 0]
     if not sp:
@@ -77,7 +78,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def summarize(results: list[KernelResult], *, num_problems: int | None = None, ks: Iterable[int] = (1,),
-              reviewed: set[tuple[str, int]] = frozenset()) -> dict:
+              reviewed: AbstractSet[tuple[str, int]] = frozenset()) -> dict[str, Any]:
+    """The run's summary document (stored with the run, printed by the CLI): counts, fast_p,
+    geomean speedup, pass@k for each k, statuses, and the suspicious samples awaiting review."""
     by_problem: dict[str, list[KernelResult]] = defaultdict(list)
     for r in results:
         by_problem[r.problem].append(r)

@@ -33,7 +33,7 @@ FORBIDDEN_MODULES = {"threading", "multiprocessing", "concurrent", "subprocess",
                      "pathlib", "tempfile", "io", "traceback", "weakref", "time", "timeit", "cProfile", "profile",
                      "operator", "types", "mmap", "select", "fcntl", "code", "codeop", "runpy",
                      "pkgutil", "atexit", "faulthandler", "tracemalloc", "sysconfig", "site", "closedloop",
-                     "copyreg", "dis", "ast", "gc"}
+                     "copyreg", "dis", "ast"}
 FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__", "globals", "vars", "locals", "setattr", "delattr",
                    "getattr", "open", "breakpoint", "input"}
 FORBIDDEN_ATTRS = {"_getframe", "f_back", "f_globals", "f_locals", "__globals__", "__subclasses__", "__code__",
@@ -204,8 +204,7 @@ def check_policy(code: str, backend: str, mode: Mode = "strict") -> PolicyReport
         if m:
             bad(rule, f"{msg}: {m.group(0).strip()}")
     if backend in ("cpu", "cuda"):
-        if ATEN_COMPUTE.search(cpp) or ATEN_METHODS.search(cpp):
-            m = ATEN_COMPUTE.search(cpp) or ATEN_METHODS.search(cpp)
+        if m := ATEN_COMPUTE.search(cpp) or ATEN_METHODS.search(cpp):
             soft("aten_compute", f"the C++ calls ATen/torch compute ({m.group(0).strip()}...), not a kernel of its own")
 
     # a real kernel for the backend

@@ -335,9 +335,10 @@ class Orchestrator:
         history = parse_message_history(raw, self.task.id)
         mismatches = replay_trajectory(self.env, history, strict=True)
         if mismatches:
-            m = mismatches[0]
-            raise ValueError(f"task {self.task.id}: replaying message_history call {m['name']} ({m['tool_call_id']}) "
-                             f"returned {m['replayed']!r}, the history records {m['recorded']!r}")
+            first = mismatches[0]
+            raise ValueError(f"task {self.task.id}: replaying message_history call {first['name']} "
+                             f"({first['tool_call_id']}) returned {first['replayed']!r}, the history records "
+                             f"{first['recorded']!r}")
         self.trajectory = list(history)
         user_calls = {c.id for m in history if isinstance(m, TauUserMessage) for c in m.tool_calls or []}
         self._user_call_ids |= user_calls
@@ -561,9 +562,12 @@ async def run_episode(task: Task, agent: AgentFn, user_client: ModelClient, *,
                       timeout_s: float | None = None, validate_communication: bool = False,
                       seed: int | None = None, trial: int | None = None) -> SimulationRun:
     """Run one episode to its end. Give a fresh ``environment`` or an ``environment_factory``."""
-    if (environment is None) == (environment_factory is None):
+    if environment is not None and environment_factory is None:
+        env = environment
+    elif environment is None and environment_factory is not None:
+        env = environment_factory()
+    else:
         raise ValueError("give exactly one of environment or environment_factory")
-    env = environment if environment is not None else environment_factory()  # type: ignore[misc]
     orch = Orchestrator(task, env, make_user(task, user_client, guidelines=guidelines, params=user_params, seed=seed),
                         system_prompt=system_prompt, max_steps=max_steps, max_errors=max_errors, timeout_s=timeout_s,
                         validate_communication=validate_communication, seed=seed, trial=trial)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from closedloop.evals.tau import TerminationReason, run_episode
 from closedloop.evals.tau.gym import TauGymEnv
 from closedloop.evals.tau.orchestrator import GREETING, STOP, TRANSFER
@@ -42,6 +44,16 @@ async def test_user_stop_and_what_each_side_sees(mini):
     seen = agent.seen[1]
     assert isinstance(seen[0], SystemMessage) and "<policy>" in seen[0].text and "Be helpful." in seen[0].text
     assert isinstance(seen[-1], ToolMessage) and json.loads(seen[-1].text)["order_id"] == "#W1"
+
+
+async def test_an_episode_takes_exactly_one_environment_source(mini):
+    task = mini.load_tasks(task_ids=["cancel"]).tasks[0]
+    agent, user = scripted_agent([]), ScriptedClient(["Hi"])
+    with pytest.raises(ValueError, match="exactly one of environment or environment_factory"):
+        await run_episode(task, agent, user)
+    with pytest.raises(ValueError, match="exactly one of environment or environment_factory"):
+        await run_episode(task, agent, user, environment=mini.make_environment(),
+                          environment_factory=mini.make_environment)
 
 
 async def test_agent_stop(mini):
