@@ -13,13 +13,14 @@ import argparse
 import sys
 
 from closedloop import plugins
+from closedloop.cli.help import ClosedloopParser
 from closedloop.cli.lazy import lazy_subparsers
 
 
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
-    parser = argparse.ArgumentParser(prog="closedloop", description=__doc__.splitlines()[0])
+    parser = ClosedloopParser(prog="closedloop", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('closedloop')}")
     sub = lazy_subparsers(parser, dest="command", required=True, metavar="COMMAND")
     commands = plugins.registry("commands")
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    from closedloop.terminal import quiet_third_party
+
+    quiet_third_party()  # transformers' and datasets' bars: our own progress says it once
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

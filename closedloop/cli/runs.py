@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from closedloop.terminal import make_console
 from closedloop.store import TERMINAL_STATUSES, RunNotFoundError, RunRecord, RunStore, RunSummary
 from closedloop.store.export import rows_for, write_jsonl
 
@@ -39,7 +40,7 @@ def parse_duration(text: str) -> timedelta:
 
 def _console() -> Console:
     # Tables wider than 80 columns stay readable when piped or captured.
-    return Console(width=None if sys.stdout.isatty() else 160, highlight=False)
+    return make_console()
 
 
 def _store(args: argparse.Namespace) -> RunStore:
@@ -199,16 +200,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     runs_sub = p.add_subparsers(dest="runs_command", required=True)
 
     ls = runs_sub.add_parser("list", parents=[common], help="recent runs, newest first")
-    ls.add_argument("--limit", type=int, default=20)
-    ls.add_argument("--status", choices=("running",) + TERMINAL_STATUSES)
-    ls.add_argument("--graph")
+    ls.add_argument("--limit", type=int, default=20, help="at most this many runs")
+    ls.add_argument("--status", choices=("running",) + TERMINAL_STATUSES, help="only runs with this status")
+    ls.add_argument("--graph", help="only runs of this graph")
     ls.add_argument("--kind", help="run, eval, train, ...")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ls.set_defaults(func=cmd_list)
 
     show = runs_sub.add_parser("show", parents=[common], help="one run: messages, turns, tool calls, outcome")
     show.add_argument("id", help="run id or a unique prefix of it")
-    show.add_argument("--json", action="store_true")
+    show.add_argument("--json", action="store_true", help="print the run as one JSON object")
     show.set_defaults(func=cmd_show)
 
     export = runs_sub.add_parser("export", parents=[common],
@@ -219,10 +220,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "groups: GRPO groups per task; otlp: OpenTelemetry spans sent to --endpoint")
     export.add_argument("--endpoint", metavar="URL", help="otlp: OTLP/HTTP receiver (default: $OTEL_EXPORTER_OTLP_"
                                                           "ENDPOINT, else http://localhost:4318)")
-    export.add_argument("--out", metavar="FILE.jsonl")
+    export.add_argument("--out", metavar="FILE.jsonl", help="--format sft|pairs|groups: the JSONL file to write")
     export.add_argument("--kind", help="only runs of this kind (train, episode, run, ...)")
-    export.add_argument("--graph")
-    export.add_argument("--tag")
+    export.add_argument("--graph", help="only runs of this graph")
+    export.add_argument("--tag", help="only runs with this tag")
     export.add_argument("--min-reward", type=float, help="only episodes whose summed rewards reach this")
     export.add_argument("--status", default="completed", choices=("any", "running") + TERMINAL_STATUSES,
                         help="only runs with this status (default: completed; 'any' for all)")
