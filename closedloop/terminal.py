@@ -115,12 +115,18 @@ class JobProgress:
         if self._live:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                                        TimeElapsedColumn, TimeRemainingColumn)
+            from rich.table import Column
 
-            console = self._console or make_console(stderr=self._stream is sys.stderr)
-            self._progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
+            from rich.console import Console
+
+            console = self._console or Console(file=self._stream, highlight=False)
+            # On a narrow terminal the metrics give way (cut with an ellipsis), never the count or the ETA.
+            self._progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(bar_width=20),
                                       MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"),
-                                      TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
-                                      console=console, transient=False)
+                                      TimeRemainingColumn(),
+                                      TextColumn("{task.fields[metrics]}",
+                                                 table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+                                      console=console, transient=False, expand=True)
             self._progress.start()
             self._task = self._progress.add_task(self.title, total=self.total, completed=self.done, metrics="")
         return self

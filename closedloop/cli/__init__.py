@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from closedloop import plugins
+# Not `from closedloop import plugins`: importing the subcommand module closedloop.cli.plugins rebinds
+# the package's `plugins` attribute, which is this module's global of that name.
+from closedloop.plugins import DuplicatePluginError, PluginNotFound, registry
 from closedloop.cli.help import ClosedloopParser
 from closedloop.cli.lazy import lazy_subparsers
 
@@ -23,9 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ClosedloopParser(prog="closedloop", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('closedloop')}")
     sub = lazy_subparsers(parser, dest="command", required=True, metavar="COMMAND")
-    commands = plugins.registry("commands")
+    commands = registry("commands")
     if not commands.names():
-        raise plugins.PluginNotFound(f"no closedloop command found: {commands.missing_hint()}")
+        raise PluginNotFound(f"no closedloop command found: {commands.missing_hint()}")
     sub.add_plugins(commands)
     return parser
 
@@ -33,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
-    except (plugins.DuplicatePluginError, plugins.PluginNotFound) as e:  # a clash, or no commands: say which
+    except (DuplicatePluginError, PluginNotFound) as e:  # a clash, or no commands: say which
         print(f"error: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)

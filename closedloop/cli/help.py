@@ -25,7 +25,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         text = action.help or ""
         default = action.default
         if ("%(default)" in text or "default" in text.lower() or default is argparse.SUPPRESS
-                or default in (None, False, "", [], ()) or isinstance(action, argparse._VersionAction)):
+                or default is None or default is False or (isinstance(default, (str, list, tuple)) and not default)
+                or isinstance(action, argparse._VersionAction)):
             return text
         if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
             return text
