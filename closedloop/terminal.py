@@ -107,7 +107,9 @@ class JobProgress:
         self._live = is_terminal(self._stream)
         self._console = console
         self._start = time.monotonic()
-        self._start_done = done  # items done before this process (resumed): not in the rate
+        # The rate (hence the ETA) is measured from the first item done in this process: set-up time
+        # before it (loading, tokenising) and items done before (a resumed job) are not in it.
+        self._first: tuple[float, int] | None = None
         self._progress: Any = None
         self._task: Any = None
 
@@ -146,6 +148,8 @@ class JobProgress:
     def update(self, done: int | None = None, **metrics: Any) -> None:
         """Set the count (and metrics); a log gets the progress line."""
         if done is not None:
+            if self._first is None:
+                self._first = (time.monotonic(), self.done)
             self.done = done
         self.metrics.update(metrics)
         if self._progress is not None:
@@ -173,9 +177,11 @@ class JobProgress:
         pct = f" {100 * self.done / self.total:.0f}%" if self.total else ""
         unit = f" {self.unit}" if self.unit else ""
         eta = ""
-        fresh = self.done - self._start_done
-        if self.total and fresh > 0 and self.done < self.total:
-            eta = f"  eta {_clock(elapsed / fresh * (self.total - self.done))}"
+        if self.total and self._first is not None and self.done < self.total:
+            since, before = self._first
+            fresh = self.done - before
+            if fresh > 0:
+                eta = f"  eta {_clock((time.monotonic() - since) / fresh * (self.total - self.done))}"
         metrics = format_metrics(self.metrics)
         return f"{self.title}  {count}{unit}{pct}  elapsed {_clock(elapsed)}{eta}" + (f"  {metrics}" if metrics else "")
 

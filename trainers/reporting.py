@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from closedloop.terminal import JobProgress, format_metrics
+from closedloop.terminal import JobProgress, format_metrics, quiet_third_party
 
 __all__ = ["MetricsReporter", "ReporterError", "format_metrics"]
 
@@ -148,6 +148,7 @@ class MetricsReporter:
         resume): a live bar on a terminal, a line per step in a log (:class:`closedloop.terminal.JobProgress`)."""
         if not (self.is_main_process and self._show_progress) or self._progress is not None:
             return
+        quiet_third_party()  # transformers' "Writing model shards" bars would cut through ours
         self._progress = JobProgress(description, total_steps, done=completed, unit="steps",
                                      console=self._console).__enter__()
 

@@ -16,6 +16,7 @@ import json
 import re
 import sys
 from datetime import timedelta
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -36,6 +37,16 @@ def parse_duration(text: str) -> timedelta:
     if not m:
         raise argparse.ArgumentTypeError(f"invalid duration {text!r}: use a number with s, m, h or d, e.g. 30d")
     return timedelta(**{_UNITS[m.group(2)]: float(m.group(1))})
+
+
+def _duration_text(d: timedelta) -> str:
+    """``30 days``, ``12 hours``, ``90 minutes``: a duration as it was given, not timedelta's ``30 days, 0:00:00``."""
+    seconds = d.total_seconds()
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size and seconds % size == 0:
+            n = int(seconds // size)
+            return f"{n} {unit}{'s' if n != 1 else ''}"
+    return f"{seconds:g} seconds"
 
 
 def _console() -> Console:
@@ -142,6 +153,11 @@ def _show_metrics(metrics: list[dict[str, float]], console: Console) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     store = _store(args)
     try:
+        if args.id == "latest":  # the newest top-level run: what a person just ran
+            newest = store.list_runs(limit=1)
+            if not newest:
+                raise RunNotFoundError(f"no runs in {store.path}")
+            args.id = newest[0].id
         run = store.get_run(args.id)
     except RunNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -175,19 +191,40 @@ def cmd_export(args: argparse.Namespace) -> int:
     trajectories = _store(args).iter_trajectories(kind=args.kind, graph=args.graph, tag=args.tag, status=status,
                                                   min_reward=args.min_reward)
     options = {"strategy": args.pairs} if args.format == "pairs" else {}
-    count = write_jsonl(rows_for(args.format, trajectories, **options), args.out)
-    print(f"wrote {count} {args.format} row(s) to {args.out}")
+    seen = {"runs": 0, "rewarded": 0}
+
+    def counted(items: Any) -> Any:
+        for traj in items:
+            seen["runs"] += 1
+            seen["rewarded"] += bool(traj.rewards)
+            yield traj
+
+    count = write_jsonl(rows_for(args.format, counted(trajectories), **options), args.out)
+    print(f"wrote {count} {args.format} row(s) to {args.out}" + ("" if count else f": {_why_no_rows(args, seen)}"))
     return 0
+
+
+def _why_no_rows(args: argparse.Namespace, seen: dict[str, int]) -> str:
+    """Why an export came out empty, from what the filters matched."""
+    if not seen["runs"]:
+        filters = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in (("kind", args.kind), ("graph", args.graph),
+                            ("tag", args.tag), ("status", args.status), ("min_reward", args.min_reward)) if v is not None)
+        return f"no run matched ({filters})"
+    if args.format == "sft":
+        return f"{seen['runs']} run(s) matched, none with an assistant message"
+    return (f"{seen['runs']} run(s) matched, {seen['rewarded']} with rewards; {args.format} need runs of the same task "
+            f"with different rewards (evaluate or train to record some)")
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
     count = _store(args).delete_older_than(args.older_than)
-    print(f"deleted {count} run(s) that ended more than {args.older_than} ago")
+    print(f"deleted {count} run(s) that ended more than {_duration_text(args.older_than)} ago")
     if args.artifacts:  # the same retention for tool artifacts (closedloop.artifacts)
         from closedloop.artifacts import prune_artifacts
 
         rep = prune_artifacts(older_than=args.older_than)
-        print(f"deleted {rep.removed} artifact(s) ({rep.freed_bytes / 2**20:.1f} MiB) older than {args.older_than}")
+        print(f"deleted {rep.removed} artifact(s) ({rep.freed_bytes / 2**20:.1f} MiB) older than "
+              f"{_duration_text(args.older_than)}")
     return 0
 
 
@@ -208,7 +245,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.set_defaults(func=cmd_list)
 
     show = runs_sub.add_parser("show", parents=[common], help="one run: messages, turns, tool calls, outcome")
-    show.add_argument("id", help="run id or a unique prefix of it")
+    show.add_argument("id", help="run id, a unique prefix of it, or 'latest' (the newest run)")
     show.add_argument("--json", action="store_true", help="print the run as one JSON object")
     show.set_defaults(func=cmd_show)
 
