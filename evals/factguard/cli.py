@@ -77,7 +77,13 @@ def handle(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         console.print(f"[red]{e}[/red]")
         return 2
-    client = make_client(args.model)
+    from closedloop.models.base import ModelError
+
+    try:
+        client = make_client(args.model)
+    except ModelError as e:  # no OPENAI_API_KEY, a model that cannot be loaded: one line
+        console.print(f"[red]error:[/red] {escape(str(e))}")
+        return 2
     vision = args.vision
     if vision is None:
         from closedloop.models.hf_vision import HFVisionClient

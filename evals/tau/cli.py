@@ -87,6 +87,7 @@ def handle(args: argparse.Namespace) -> int:
     from closedloop.evals.harness import ExecutorUnavailable
     from closedloop.evals.tau.data import TauDataError
     from closedloop.evals.tau.runner import EvalConfigError
+    from closedloop.models.base import ModelError
     from closedloop.plugins import PluginNotFound
 
     try:
@@ -95,7 +96,8 @@ def handle(args: argparse.Namespace) -> int:
         if not args.agent:
             raise ValueError("the following arguments are required: --agent")
         return asyncio.run(_tau(args))
-    except (TauDataError, EvalConfigError, PluginNotFound, ValueError, ExecutorUnavailable) as e:
+    except (TauDataError, EvalConfigError, PluginNotFound, ValueError, ExecutorUnavailable, ModelError) as e:
+        # a model that cannot be made (no OPENAI_API_KEY, a checkpoint that is not there) is set-up, one line
         print(f"error: {e}", file=sys.stderr)
         return 2
 
