@@ -35,8 +35,11 @@ def hf(spec: ModelSpec, **kwargs: Any) -> ModelClient:
 
 def vllm(spec: ModelSpec, **kwargs: Any) -> ModelClient:
     """vLLM's offline engine (GPU; the ``vllm`` extra)."""
+    import importlib.util
+
     from closedloop.models.locate import locate_checkpoint
     from closedloop.models.vllm_client import VLLMClient
 
-    locate_checkpoint(spec.model)
+    if importlib.util.find_spec("vllm") is not None:  # without vLLM its install hint comes first
+        locate_checkpoint(spec.model)
     return VLLMClient(spec.model, **kwargs)

@@ -84,5 +84,5 @@ def _nearest_hint(path: Path) -> str:
         entries = sorted(p.name for p in parent.iterdir() if p.is_dir())[:8]
     except OSError:
         return ""
-    shown = f"{parent}/" if str(parent) != "." else "the current directory"
+    shown = "the current directory" if str(parent) == "." else str(parent).rstrip("/") + "/"
     return f" ({shown} holds: {', '.join(entries)})" if entries else f" ({shown} holds no directories)"
