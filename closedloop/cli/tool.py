@@ -168,7 +168,8 @@ def _print(args: argparse.Namespace, result: ToolResult, run_id: str | None, sto
         return
     if result.ok:
         body: Any = Syntax(json.dumps(parsed, indent=2), "json") if not isinstance(parsed, str) else Text(parsed)
-        console.print(Panel(body, title=f"{result.name} ({result.latency_s * 1000:.1f} ms)", border_style="green"))
+        console.print(Panel(body, title=f"{result.name} ({result.latency_s * 1000:.1f} ms)", border_style="green",
+                            expand=False))
     else:
         err.print(f"[red]error ({result.error_kind}):[/red] {escape(result.error or '')}")
     if store:
