@@ -14,5 +14,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # docblocks, beside th
 
 @pytest.fixture(scope="session")
 def tiny_build_cache(request) -> Path:
-    """A ``CLOSEDLOOP_TINY_CACHE`` folder in pytest's cache (per machine, not per run)."""
-    return Path(request.config.cache.mkdir("closedloop-tiny-builds"))
+    """A ``CLOSEDLOOP_TINY_CACHE`` folder in pytest's cache (per machine, not per run); not named
+    ``closedloop-tiny-*``, which tests/conftest.py prunes when it rebuilds its own tiny model."""
+    return Path(request.config.cache.mkdir("tiny-build-cache"))
