@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -61,6 +62,12 @@ def _ready(target: str) -> bool:
         return e.code < 500
     except (urllib.error.URLError, OSError):
         return False
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this test's finished child processes (what a block costs, whatever the load)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 class Session:
@@ -134,17 +141,20 @@ def test_readme_blocks_run_as_written(readme, tmp_path, tiny_build_cache):
     heavy = os.environ.get("CLOSEDLOOP_DOCS_HEAVY") == "1"
     session = Session(tmp_path, _env(tmp_path, tiny_build_cache))
     skipped: list[str] = []
+    began, cpu_before = time.monotonic(), _children_cpu_s()
     try:
         for n, block in enumerate(found):
             if "skip" in block.directives or ("heavy" in block.directives and not heavy):
                 why = block.directives.get("skip") or f"heavy: {block.directives['heavy']}"
                 skipped.append(f"{block.where} ({why})")
                 continue
-            started = time.monotonic()
+            started, cpu = time.monotonic(), _children_cpu_s()
             session.run(block, n)
-            print(f"ran {block.where} in {time.monotonic() - started:.1f} s")
+            print(f"ran {block.where}: {time.monotonic() - started:.1f} s wall, {_children_cpu_s() - cpu:.1f} s CPU")
     finally:
         session.stop()
+        print(f"{readme}: {time.monotonic() - began:.0f} s wall, {_children_cpu_s() - cpu_before:.0f} s CPU "
+              f"(servers included), load {os.getloadavg()[0]:.1f}")
     for line in skipped:
         print(f"not run: {line}")
 
