@@ -92,3 +92,20 @@ def test_factguard_with_every_sample_failing_exits_1(factguard_data, tmp_path, c
                "--store", str(tmp_path / "runs.duckdb"), "--limit", "3"])
     assert rc == 1
     assert "3 of 3 episodes (100%) ended in infrastructure errors" in capsys.readouterr().out
+
+
+def test_kernelbench_without_an_agent_or_anything_graded_claims_nothing(tmp_path, capsys):
+    """Candidate files that are not there: the failures are the candidates' (there is no agent),
+    no fast_p over nothing graded, and neither the export nor the plot claims a file."""
+    from closedloop.samples import sample_path
+
+    (tmp_path / "empty").mkdir()
+    export, plot = tmp_path / "out" / "eval_results.json", tmp_path / "out" / "speedups.png"
+    assert main(["eval", "kernelbench", "--problems", str(sample_path("kernelbench")), "--level", "1",
+                 "--candidates", str(tmp_path / "empty"), "--store", str(tmp_path / "runs.duckdb"),
+                 "--export", str(export), "--plot", str(plot)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "candidate file error: 3" in out and "agent_error" not in out
+    assert "fast_p │ - (nothing graded)" in out and "fast_0=" not in out
+    assert "export: nothing written" in out and "plot: nothing written" in out and "exported" not in out
+    assert not export.exists() and not plot.exists()
