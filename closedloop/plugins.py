@@ -62,7 +62,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          "the parser needs"),
     Kind("trainers", "closedloop.trainers", "trainer",
          "a module with CONFIG_CLASS (a pydantic config) and run_from_config(config), run by `closedloop train`"),
-    Kind("recipes", "closedloop.recipes", "recipe", "a multi-stage pipeline run by `closedloop recipe`"),
+    Kind("recipes", "closedloop.recipes", "recipe",
+         "a recipe YAML file's path, or a Recipe: a multi-stage pipeline run by `closedloop recipe`"),
     Kind("backends", "closedloop.backends", "model backend",
          "a factory (ModelSpec, **options) -> ModelClient for model specs '<name>:<model>'"),
     Kind("commands", "closedloop.commands", "command",
@@ -199,14 +200,17 @@ class Registry:
         return obj
 
     def describe(self, name: str) -> str:
-        """The plugin's one-line description: the first paragraph of its module's docstring, read
-        from the source file without importing it ("" when there is none)."""
+        """The plugin's one-line description, read from the source file without importing it: the
+        ``#:`` comment above the attribute the entry point names (its own, as for the recipes
+        ``demo`` and ``latency``, two constants of one module), else the first paragraph of its
+        module's docstring ("" when there is neither)."""
         plugin = self.get(name)
         if plugin.distribution is None:
             obj = self._loaded.get(name)
             described = isinstance(obj, (type, types.FunctionType, types.ModuleType))
             return _first_paragraph(obj.__doc__ if described else None)
-        return module_summary(plugin.module)
+        attr = plugin.target.partition(":")[2]
+        return (attribute_comment(plugin.module, attr) if attr else "") or module_summary(plugin.module)
 
 
 def _target_of(obj: Any) -> str:
@@ -269,15 +273,43 @@ def module_summary(module: str) -> str:
     return _first_paragraph(doc)
 
 
+def attribute_comment(module: str, attr: str) -> str:
+    """The ``#:`` comment lines right above a module-level assignment to ``attr`` (Sphinx's
+    attribute doc comment), as one line of plain text; "" when there are none. Read from the
+    source, without importing the module."""
+    path = _source_file(module)
+    if path is None:
+        return ""
+    try:
+        with tokenize.open(path) as f:
+            lines = f.read().splitlines()
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    assignment = re.compile(rf"^{re.escape(attr)}\s*(:[^=]*)?=")
+    for i, line in enumerate(lines):
+        if assignment.match(line):
+            comment: list[str] = []
+            for above in reversed(lines[:i]):
+                if not above.startswith("#:"):
+                    break
+                comment.insert(0, above[2:].strip())
+            return plain_text(" ".join(comment))
+    return ""
+
+
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :mod:`closedloop.ui` -> closedloop.ui
 
 
+def plain_text(text: str) -> str:
+    """``text`` with reST literals and roles unwrapped (``x`` and :mod:`x` become x): what terminals
+    show of a docstring, where the markup is noise."""
+    return _ROLE.sub(r"\1", text).replace("``", "")
+
+
 def _first_paragraph(doc: str | None) -> str:
-    """The docstring's first paragraph as one line of plain text (reST literals and roles unwrapped:
-    it is shown in terminals, where ``x`` and :mod:`x` are noise)."""
+    """The docstring's first paragraph as one line of plain text."""
     paragraph = (doc or "").strip().split("\n\n")[0]
-    line = " ".join(line.strip() for line in paragraph.splitlines())
-    return _ROLE.sub(r"\1", line).replace("``", "")
+    return plain_text(" ".join(line.strip() for line in paragraph.splitlines()))
 
 
 def _first_string(tokens: Iterable[tokenize.TokenInfo]) -> str | None:

@@ -64,6 +64,43 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def requested_processes() -> int | None:
+    """How many processes ``accelerate launch`` was asked for, when it started this process itself.
+
+    On a machine without GPUs ``accelerate launch --num_processes 2`` (``--cpu`` or not) takes its
+    single-process path: it starts one process, passes nothing of the request on, and the job
+    trains on half the data with exit code 0. Only the launcher's command line still says what was
+    asked, so it is read from the parent process (None when the parent is not ``accelerate launch``
+    or says nothing)."""
+    if not any(k.startswith("ACCELERATE_") for k in os.environ):
+        return None
+    try:
+        import psutil
+
+        argv = psutil.Process(os.getppid()).cmdline()
+    except Exception:  # noqa: BLE001 - no psutil, no parent, no permission: nothing to compare
+        return None
+    if "launch" not in argv or not any(os.path.basename(a).startswith("accelerate") for a in argv[:3]):
+        return None
+    for i, arg in enumerate(argv):
+        for flag in ("--num_processes", "--num-processes"):
+            value = argv[i + 1] if arg == flag and i + 1 < len(argv) else \
+                arg.split("=", 1)[1] if arg.startswith(flag + "=") else None
+            if value is not None and value.isdigit():
+                return int(value)
+    return None
+
+
+def fewer_processes_warning() -> str | None:
+    """The warning when ``accelerate launch`` started fewer processes than it was asked for."""
+    asked = requested_processes()
+    if asked is None or asked <= world_size():
+        return None
+    return (f"warning: accelerate launch was asked for {asked} processes but started {world_size()}: without GPUs, "
+            f"--num_processes alone runs one process. For {asked} processes on CPU (gloo) use "
+            f"`accelerate launch --multi_gpu --num_processes {asked} ...` or `torchrun --nproc_per_node {asked} ...`")
+
+
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 

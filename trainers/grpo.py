@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from closedloop.evals.harness.executor import ExecutorConfig
 from closedloop.models.base import SamplingParams
-from closedloop.trainers.config import TrainConfig
+from closedloop.trainers.config import TrainConfig, checking_paths
 from closedloop.trainers.constrained import ConstraintSet, CostConstraint
 from closedloop.trainers.grpo_batch import RewardSpec, RolloutBatch, build_batch, load_reward_fn
 from closedloop.trainers.losses import LOSS_TYPES, entropy_from_logits, gather_logps, grpo_loss, \
@@ -53,8 +53,8 @@ from closedloop.trainers.session import TrainingSession
 class GRPOConfig(TrainConfig):
     """Multi-turn GRPO on a built-in or plugin environment, with a registered graph as the policy."""
 
-    env: str = Field("calc", description="Environment name (entry point group closedloop.environments: calc, "
-                                         "clarify, tau-retail, ...).")
+    env: str = Field("calc", description="Environment name: an entry point of group closedloop.environments "
+                                         "(closedloop plugins environments: calc, clarify, simul, factguard, ...).")
     env_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the environment "
                                                                           "(e.g. level, weights).")
     graph: str = Field("react", description="The agent graph that acts (closedloop.graphs entry point).")
@@ -139,6 +139,21 @@ class GRPOConfig(TrainConfig):
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_new_tokens)
 
+    @field_validator("env", "graph")
+    @classmethod
+    def _registered(cls, value: str, info: ValidationInfo) -> str:
+        """A name that no plugin gives fails with the config's other errors, before any model loads
+        (checked with the paths: a name registered in-process later is fine for a config built early)."""
+        if checking_paths(info):
+            from closedloop import plugins
+
+            kind = "environments" if info.field_name == "env" else "graphs"
+            known = plugins.registry(kind).names()
+            if value not in known:
+                raise ValueError(f"{info.field_name} {value!r} is not a registered {plugins.KINDS[kind].noun}; "
+                                 f"available: {', '.join(known)}")
+        return value
+
 
 @dataclass
 class GRPOResult:
@@ -147,6 +162,16 @@ class GRPOResult:
     steps: int
     history: list[dict[str, float]] = field(default_factory=list)
     interrupted: bool = False  #: a Ctrl-C stopped it after saving a checkpoint (``resume: auto`` continues)
+
+    @property
+    def step(self) -> int:
+        """The last step done (what SFT's and DPO's results call ``step``)."""
+        return self.steps
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The last logged step's metrics."""
+        return self.history[-1] if self.history else {}
 
 
 def reward_spec(config: GRPOConfig) -> RewardSpec:

@@ -28,30 +28,18 @@ _SINK_PACKAGES = {"wandb": ("wandb", "pip install wandb"), "trackio": ("trackio"
 
 
 def check_model_dir(path: str, what: str = "model") -> None:
-    """``path`` is a local Hugging Face model directory, or a hub id that can be loaded (offline: one
-    already in the local cache). transformers would otherwise answer a missing directory with a
-    hub-id validation traceback, after the accelerator was set up."""
-    p = Path(path).expanduser()
-    if p.exists():
-        if not p.is_dir():
-            raise ValueError(f"{what} {path!r} is a file, not a model directory")
-        if not (p / "config.json").is_file():
-            raise ValueError(f"{what} {path!r} has no config.json: not a Hugging Face model directory")
-        if not any(next(p.glob(pattern), None) for pattern in _WEIGHT_PATTERNS):
-            raise ValueError(f"{what} {path!r} holds no weights (*.safetensors or *.bin)")
-        return
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    """``path`` is a local Hugging Face model directory with weights, or a hub id that can be loaded
+    (offline: one already in the local cache); :func:`closedloop.models.locate.locate_checkpoint`
+    decides which, so a mistyped local path is "no such directory", never a hub lookup."""
+    from closedloop.models.locate import CheckpointNotFoundError, locate_checkpoint
 
     try:
-        validate_repo_id(path)
-    except HFValidationError:
-        raise ValueError(f"{what} {path!r}: no such directory") from None
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(try_to_load_from_cache(path, "config.json"), str):
-            raise ValueError(f"{what} {path!r}: no such directory, and not a hub model in the local cache "
-                             f"(HF_HUB_OFFLINE is set)")
+        located = locate_checkpoint(path, what=what)
+    except CheckpointNotFoundError as e:
+        raise ValueError(str(e)) from None
+    p = Path(located)
+    if p.is_dir() and not any(next(p.glob(pattern), None) for pattern in _WEIGHT_PATTERNS):
+        raise ValueError(f"{what} {path!r} holds no weights (*.safetensors or *.bin)")
 
 
 def check_output_dir(path: str) -> None:

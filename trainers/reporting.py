@@ -3,17 +3,21 @@
 Like TRL's ``report_to``, the sinks are chosen by name; each optional backend is imported only when
 asked for, with an error that says how to install it (a training run that silently logs nowhere is
 worse than one that refuses to start). Under DDP only the main process reports, so every sink sees
-each step once. The terminal gets a rich progress bar with the latest metrics on it.
+each step once. The terminal gets a live progress bar with the latest metrics on it, a log file a
+line per step (:class:`closedloop.terminal.JobProgress`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from closedloop.terminal import JobProgress, format_metrics, quiet_third_party
 
 __all__ = ["MetricsReporter", "ReporterError", "format_metrics"]
 
@@ -31,22 +35,6 @@ def _scalar(value: Any) -> float | None:
     if isinstance(value, (int, float)):
         return float(value)
     return None
-
-
-def format_metrics(metrics: Mapping[str, float], keys: Iterable[str] | None = None) -> str:
-    """``loss 0.4210 · lr 2.0e-05 · ...`` for a terminal line."""
-    parts = []
-    for k in (keys if keys is not None else metrics):
-        if k not in metrics:
-            continue
-        v = metrics[k]
-        if k in ("lr", "learning_rate") or (v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5)):
-            parts.append(f"{k} {v:.2e}")
-        elif float(v).is_integer() and abs(v) < 1e9:
-            parts.append(f"{k} {int(v)}")
-        else:
-            parts.append(f"{k} {v:.4f}")
-    return " · ".join(parts)
 
 
 class MetricsReporter:
@@ -156,34 +144,27 @@ class MetricsReporter:
     # ------------------------------------------------------------------ progress
 
     def start(self, total_steps: int | None, description: str = "train", completed: int = 0) -> None:
-        """Show a progress bar of ``total_steps`` optimizer steps (``completed`` already done on resume)."""
+        """Show the progress of ``total_steps`` optimizer steps (``completed`` already done on
+        resume): a live bar on a terminal, a line per step in a log (:class:`closedloop.terminal.JobProgress`)."""
         if not (self.is_main_process and self._show_progress) or self._progress is not None:
             return
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-        console = self._console or Console(stderr=True)
-        self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
-                                  console=console, transient=False)
-        self._progress.start()
-        self._task = self._progress.add_task(description, total=total_steps, completed=completed, metrics="")
+        quiet_third_party()  # transformers' "Writing model shards" bars would cut through ours
+        self._progress = JobProgress(description, total_steps, done=completed, unit="steps",
+                                     console=self._console).__enter__()
 
     def advance(self, step: int) -> None:
-        """Move the bar to ``step`` completed optimizer steps."""
+        """``step`` optimizer steps done (a log gets a line with the latest loss or reward)."""
         if self._progress is not None:
-            self._progress.update(self._task, completed=step)
+            self._progress.update(step)
 
     def print(self, text: str) -> None:
         """A line above the progress bar (main process only)."""
         if not self.is_main_process:
             return
         if self._progress is not None:
-            self._progress.console.print(text, highlight=False)
+            self._progress.note(text)
         elif self._show_progress:
-            from rich.console import Console
-
-            (self._console or Console(stderr=True)).print(text, highlight=False)
+            print(text, file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ logging
 
@@ -197,9 +178,8 @@ class MetricsReporter:
         if int(step) > self.replayed_through:
             self._to_sinks(int(step), clean)
         if self._progress is not None:
-            self._progress.update(self._task, completed=int(step),
-                                  metrics=format_metrics(clean, [k for k in ("loss", "reward") if k in clean]))
-            self._progress.console.print(f"step {step}: {format_metrics(clean)}", highlight=False)
+            self._progress.set_metrics(**{k: clean[k] for k in ("loss", "reward") if k in clean})
+            self._progress.note(f"step {step}: {format_metrics(clean)}")
         return clean
 
     def _to_sinks(self, step: int, clean: dict[str, float]) -> None:
@@ -219,7 +199,7 @@ class MetricsReporter:
             return
         self._closed = True
         if self._progress is not None:
-            self._progress.stop()
+            self._progress.close()
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()

@@ -49,6 +49,7 @@ The rules, one of each:
 
 from __future__ import annotations
 
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +61,9 @@ import torch
 from closedloop.messages import Trajectory
 from closedloop.trainers.checkpoint import (InterruptGuard, TrainerState, load_checkpoint, resolve_resume,
                                             save_checkpoint, save_final_model)
-from closedloop.trainers.common import (build_optimizer, build_scheduler, load_model_and_tokenizer, make_accelerator,
-                                        open_run, steps_logged, stop_if_diverged, world_size)
+from closedloop.trainers.common import (build_optimizer, build_scheduler, fewer_processes_warning,
+                                        load_model_and_tokenizer, make_accelerator, open_run, steps_logged,
+                                        stop_if_diverged, world_size)
 from closedloop.trainers.config import TrainConfig, redacted_config
 from closedloop.trainers.reporting import MetricsReporter, tensorboard_dir
 
@@ -109,6 +111,9 @@ class TrainingSession:
         self.kind = kind
         self.total_steps = total_steps or config.max_steps or 1
         self.accelerator = make_accelerator(config)
+        fewer = fewer_processes_warning()
+        if fewer and self.accelerator.is_main_process:
+            print(fewer, file=sys.stderr, flush=True)
         if self.accelerator.num_processes != world_size():
             raise RuntimeError(f"WORLD_SIZE={world_size()} but accelerate runs {self.accelerator.num_processes} "
                                f"processes")

@@ -12,19 +12,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from closedloop import plugins
+# Not `from closedloop import plugins`: importing the subcommand module closedloop.cli.plugins rebinds
+# the package's `plugins` attribute, which is this module's global of that name.
+from closedloop.plugins import DuplicatePluginError, PluginNotFound, registry
+from closedloop.cli.help import ClosedloopParser
 from closedloop.cli.lazy import lazy_subparsers
 
 
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
-    parser = argparse.ArgumentParser(prog="closedloop", description=__doc__.splitlines()[0])
+    parser = ClosedloopParser(prog="closedloop", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('closedloop')}")
     sub = lazy_subparsers(parser, dest="command", required=True, metavar="COMMAND")
-    commands = plugins.registry("commands")
+    commands = registry("commands")
     if not commands.names():
-        raise plugins.PluginNotFound(f"no closedloop command found: {commands.missing_hint()}")
+        raise PluginNotFound(f"no closedloop command found: {commands.missing_hint()}")
     sub.add_plugins(commands)
     return parser
 
@@ -32,10 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
-    except (plugins.DuplicatePluginError, plugins.PluginNotFound) as e:  # a clash, or no commands: say which
+    except (DuplicatePluginError, PluginNotFound) as e:  # a clash, or no commands: say which
         print(f"error: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    from closedloop.terminal import quiet_third_party
+
+    quiet_third_party()  # transformers' and datasets' bars: our own progress says it once
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from closedloop.terminal import make_console
 from closedloop.cli.recipe import add_run_arguments, run_from_args
 
 
@@ -36,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def handle(args: argparse.Namespace) -> int:
     from closedloop.trainers.recipes import DEMO
 
-    console = Console()
+    console = make_console()
     params = {k: getattr(args, k) for k in ("out", "model", "rollout_model", "store") if getattr(args, k) is not None}
     if not args.list_keys:
         console.rule("closedloop demo")

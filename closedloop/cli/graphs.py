@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from closedloop.terminal import make_console
     from rich.table import Table
 
     graphs = plugins.registry("graphs")
@@ -29,5 +29,5 @@ def handle(args: argparse.Namespace) -> int:
     table.add_column("description")
     for name, plugin in found.items():
         table.add_row(name, plugin.target, graphs.describe(name))
-    Console().print(table)
+    make_console().print(table)
     return 0

@@ -36,6 +36,14 @@ class LazySubcommands(argparse._SubParsersAction):
         for name in plugins.names():
             self.add_lazy(name, _help(plugins.describe(name)), _hook(plugins, name))
 
+    def build_all(self) -> None:
+        """Build every listed subcommand's parser now (for a walk over the whole command tree, as
+        the help checks in the tests do); a plugin that fails to build raises."""
+        for name in list(self._builders):
+            del self._name_parser_map[name]
+            self._choices_actions = [a for a in self._choices_actions if a.dest != name]
+            self._builders.pop(name)(self)
+
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
         assert isinstance(values, list) and values

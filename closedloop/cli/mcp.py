@@ -16,13 +16,13 @@ import os
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.markup import escape
 
+from closedloop.terminal import make_console
 from closedloop import plugins
 from closedloop.tool_models import allow_model, allowed_models
 
-err = Console(stderr=True)
+err = make_console(stderr=True)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     msub = p.add_subparsers(dest="mcp_command", required=True)
     s = msub.add_parser("serve", help="serve tool modules over MCP (stdio by default)")
     s.add_argument("--tools", default="", help="comma-separated tool modules (`closedloop tools`); default: all")
-    s.add_argument("--transport", choices=["stdio", "http"], default="stdio")
+    s.add_argument("--transport", choices=["stdio", "http"], default="stdio",
+                   help="stdio for a client that starts this process; http serves streamable HTTP at /mcp")
     s.add_argument("--host", default="127.0.0.1", help="HTTP: interface to bind")
     s.add_argument("--port", type=int, default=8000, help="HTTP: port")
     s.add_argument("--path", default="/mcp", help="HTTP: endpoint path")

@@ -49,7 +49,7 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def _print_table(rows: list[dict[str, str]], kinds: list[str], empty: list[str]) -> None:
-    from rich.console import Console
+    from closedloop.terminal import make_console
     from rich.table import Table
 
     table = Table(title="plugins" if len(kinds) > 1 else f"plugins: {kinds[0]} ({plugins.KINDS[kinds[0]].group})")
@@ -59,4 +59,4 @@ def _print_table(rows: list[dict[str, str]], kinds: list[str], empty: list[str])
         table.add_row(row["kind"], row["name"], row["target"], row["distribution"], row["description"])
     for kind in empty:
         table.add_row(kind, "[dim](none installed)[/dim]", "", "", "")
-    Console().print(table)
+    make_console().print(table)

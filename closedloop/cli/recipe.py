@@ -48,13 +48,13 @@ def run_from_args(ref: Any, args: argparse.Namespace, params: dict[str, Any] | N
                   error: Callable[[str], None] = _stderr) -> int | Any:
     """Run ``ref`` with the parsed options (``params`` before ``--set``); an exit code, or the
     :class:`~closedloop.trainers.recipes.RecipeResult` when it ran. ``error`` shows a bad-input line."""
-    from rich.console import Console
+    from closedloop.terminal import make_console
 
     from closedloop.trainers.common import TrainingDivergedError
     from closedloop.trainers.recipes import load_recipe, run_recipe
     from closedloop.trainers.recipes.runner import split_overrides
 
-    console = console or Console()
+    console = console or make_console()
     try:
         recipe = load_recipe(ref)
         if args.list_keys:

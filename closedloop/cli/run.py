@@ -1,8 +1,10 @@
 """``closedloop run GRAPH --model SPEC [--input TEXT]``: run an agent graph once, or a REPL.
 
-With ``--input`` the graph runs once and prints the answer; without it, an interactive session
-streams tokens, shows each tool call and result, and asks before tools that need approval. Every
-run is recorded in the run store.
+With ``--input`` the graph runs once and prints the answer once; without it, an interactive session
+streams tokens (chat markup such as ``<tool_call>`` and ``<|im_end|>`` hidden: calls are shown as
+``→ name(arguments)``), shows each tool call and result, and asks before tools that need approval
+(an explicit ``y``; Enter alone answers nothing). A turn that ends without an answer says why.
+Every run is recorded in the run store.
 
 Threads (``--checkpoint FILE --thread T``) resume exactly where they stopped: a thread whose last
 run was killed mid-step re-runs that step (the model call is made again, the user message is not
@@ -20,7 +22,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
 from rich.prompt import Prompt
@@ -28,12 +29,14 @@ from rich.prompt import Prompt
 from closedloop import plugins
 from closedloop.messages import AssistantMessage, ToolMessage, UserMessage
 from closedloop.models import SamplingParams, make_client
+from closedloop.models.chat_format import END_MARKERS, TOOL_CALL_OPEN
 from closedloop.runtime import context_for, load_graph, make_checkpointer, with_checkpointer
 from closedloop.runtime.convert import as_closedloop, role_of
 from closedloop.runtime.execute import GraphRun, run_graph
 from closedloop.runtime.recording import StoreRecorder
+from closedloop.terminal import make_console
 
-console = Console()
+console = make_console()
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,10 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input", help="the user message; omit for an interactive session")
     p.add_argument("--tools", default="arithmetic", help="comma-separated tool modules (`closedloop tools`); '' for none")
     p.add_argument("--system", help="system prompt (default: the graph's)")
-    p.add_argument("--max-turns", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--max-turns", type=int, default=8, help="model turns per user message before the graph stops")
+    p.add_argument("--max-tokens", type=int, default=256, help="max tokens per model turn")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--seed", type=int, help="sampling seed (with --temperature > 0)")
     p.add_argument("--approve", nargs="?", const="*", default=None,
                    help="ask before running tools: all (no value) or a comma-separated list")
     p.add_argument("--checkpoint", help="SQLite file for LangGraph checkpoints (resumable with --thread)")
@@ -83,8 +86,10 @@ async def _run(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/red] {escape(text)}", highlight=False, soft_wrap=True)
         return 2
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    # With --input the answer is shown once, in its panel; the REPL streams it as it is written.
     options: dict[str, Any] = dict(client=client, tools=tools, params=params, max_turns=args.max_turns,
-                                   approve=_approve_option(args.approve), stream_tokens=not args.no_stream)
+                                   approve=_approve_option(args.approve),
+                                   stream_tokens=args.input is None and not args.no_stream)
     if args.system:
         options["system_prompt"] = args.system
     if args.thread and not args.checkpoint:
@@ -111,7 +116,10 @@ async def _run(args: argparse.Namespace) -> int:
                 outcome = {"answer": final, "thread_id": thread}
                 status = "completed"
                 if args.input is not None:
-                    console.print(Panel(final or "(no answer)", title="answer", border_style="green"))
+                    if final:
+                        console.print(Panel(escape(final), title="answer", border_style="green", expand=False))
+                    else:
+                        console.print(f"[yellow]no answer: {escape(_why_no_answer(result))}[/yellow]")
         finally:
             if saver_cm:
                 await saver_cm.__aexit__(None, None, None)
@@ -153,7 +161,7 @@ async def _drive(run: _Run, text: str | None, *, resume: bool) -> GraphRun:
         return resumed[0]
     if text is None:
         return await _repl(run, resumed[0] if resumed else None)
-    return await _turn(run, {"messages": [UserMessage(content=text)]})
+    return await _turn(run, {"messages": [UserMessage(content=text)]}, show_answer=False)
 
 
 async def _resume(run: _Run, text: str | None) -> tuple[GraphRun, bool] | None:
@@ -165,17 +173,22 @@ async def _resume(run: _Run, text: str | None) -> tuple[GraphRun, bool] | None:
     message that the stopped run was answering.
     """
     snapshot = await run.graph.aget_state(run.config)
+    messages = as_closedloop((snapshot.values or {}).get("messages", []))
+    thread = run.config["configurable"]["thread_id"]
     if not snapshot.next:
+        if messages:  # a finished thread continues: say so, or it looks like a fresh session
+            console.print(f"[yellow]resumed thread {escape(thread)}: {len(messages)} earlier messages, which the "
+                          f"model sees[/yellow]")
         return None
-    messages = as_closedloop(snapshot.values.get("messages", []))
     last_user = next((m.text for m in reversed(messages) if role_of(m) == "user"), None)
     pending = [i.value for task in snapshot.tasks for i in task.interrupts]
-    console.print(f"[yellow]resuming thread {run.config['configurable']['thread_id']} at {', '.join(snapshot.next)}"
+    console.print(f"[yellow]resuming thread {escape(thread)} at {', '.join(snapshot.next)}"
                   + (" (approval pending)" if pending else "") + "[/yellow]")
     if pending:
-        result = await _turn(run, None, pending=GraphRun(state=dict(snapshot.values), interrupts=pending))
+        result = await _turn(run, None, pending=GraphRun(state=dict(snapshot.values), interrupts=pending),
+                             show_answer=text is None)
     else:
-        result = await _turn(run, None)
+        result = await _turn(run, None, show_answer=text is None)
     return result, text is not None and text == last_user
 
 
@@ -205,15 +218,16 @@ def _ask(request: dict) -> dict | None:
         for action in request.get("action_requests", []):
             args = action.get("args")
             shown = args if isinstance(args, str) else json.dumps(args)
-            answer = Prompt.ask(f"run [cyan]{action.get('name')}[/cyan]({shown})? yes / no / edit",
-                                choices=["y", "n", "e"], default="y")
+            # No default: Enter alone (or an empty line piped in) must never approve a call.
+            answer = Prompt.ask(f"run [cyan]{escape(str(action.get('name')))}[/cyan]({escape(shown)})? yes / no / edit",
+                                choices=["y", "n", "e"], console=console)
             if answer == "y":
                 decisions.append({"type": "approve"})
             elif answer == "n":
                 decisions.append({"type": "reject", "message": "declined at the terminal"})
             else:
                 while True:
-                    text = Prompt.ask("arguments (a JSON object)", default=shown)
+                    text = Prompt.ask("arguments (a JSON object)", default=shown, console=console)
                     try:
                         edited = json.loads(text)
                     except json.JSONDecodeError as e:
@@ -229,31 +243,79 @@ def _ask(request: dict) -> dict | None:
     return {"decisions": decisions}
 
 
-async def _turn(run: _Run, graph_input: Any, pending: GraphRun | None = None) -> GraphRun:
+class MarkupFilter:
+    """Streamed text as a person should read it: end-of-turn markers (``<|im_end|>``, ...) dropped,
+    and nothing from a ``<tool_call>`` on (the call is shown parsed, as ``→ name(args)``, when the
+    message is complete). A delta that ends with the beginning of a marker is held back until the
+    next one says whether it was one."""
+
+    HIDDEN_FROM = TOOL_CALL_OPEN
+    DROPPED = END_MARKERS
+
+    def __init__(self) -> None:
+        self._held = ""
+        self.hiding = False
+
+    def feed(self, delta: str) -> str:
+        if self.hiding:
+            return ""
+        text = self._held + delta
+        for marker in self.DROPPED:
+            text = text.replace(marker, "")
+        cut = text.find(self.HIDDEN_FROM)
+        if cut >= 0:
+            self.hiding, self._held = True, ""
+            return text[:cut]
+        keep = max((k for m in (self.HIDDEN_FROM, *self.DROPPED) for k in range(1, len(m))
+                    if text.endswith(m[:k])), default=0)
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        """The end of a message: what was held back is plain text after all."""
+        text, self._held, self.hiding = ("" if self.hiding else self._held), "", False
+        return text
+
+
+async def _turn(run: _Run, graph_input: Any, pending: GraphRun | None = None, *,
+                show_answer: bool = True) -> GraphRun:
     """Run until the graph ends, asking the user about each pending approval (LangChain's HITL
-    request/decision shape). Returns a paused run when an approval could not be asked."""
+    request/decision shape). Returns a paused run when an approval could not be asked.
+    ``show_answer``: print the final text (the REPL; ``--input`` shows it in a panel instead)."""
     from langgraph.types import Command
 
     streaming = {"open": False, "streamed": False}
+    markup = MarkupFilter()
 
     def on_event(event: tuple[str, Any]) -> None:
         kind, payload = event
         if kind == "token":
-            console.print(payload, end="", markup=False, highlight=False)
-            streaming["open"] = streaming["streamed"] = True
+            text = markup.feed(payload)
+            if text:
+                console.print(text, end="", markup=False, highlight=False)
+                streaming["open"] = True
+            streaming["streamed"] = True
             return
+        rest = markup.flush()
+        if rest:
+            console.print(rest, end="", markup=False, highlight=False)
+            streaming["open"] = True
         if streaming["open"]:
             console.print()
             streaming["open"] = False
         streamed, streaming["streamed"] = streaming["streamed"], False
         if kind == "message" and isinstance(payload, AssistantMessage) and payload.tool_calls:
             for call in payload.tool_calls:
-                console.print(f"[cyan]→ {call.name}[/cyan]({call.function.arguments})")
-        elif kind == "message" and isinstance(payload, AssistantMessage) and not streamed and payload.text:
-            console.print(payload.text, markup=False, highlight=False)  # --no-stream: the answer, once
+                console.print(f"[cyan]→ {escape(call.name)}[/cyan]({escape(call.function.arguments)})")
+        elif kind == "message" and isinstance(payload, AssistantMessage) and TOOL_CALL_OPEN in payload.text:
+            console.print(f"[yellow]the model wrote a tool call that could not be read: "
+                          f"{escape(_visible(payload.text))}[/yellow]")
+        elif kind == "message" and isinstance(payload, AssistantMessage) and not streamed and show_answer \
+                and payload.text:
+            console.print(_visible(payload.text), markup=False, highlight=False)  # --no-stream: the answer, once
         elif kind == "message" and isinstance(payload, ToolMessage):
             style = "red" if payload.error else "green"
-            console.print(f"[{style}]← {payload.name}: {payload.text[:500]}[/{style}]")
+            console.print(f"[{style}]← {escape(payload.name or '')}: {escape(payload.text[:500])}[/{style}]")
 
     result = pending or await run(graph_input, on_event)
     while result.paused:
@@ -263,7 +325,16 @@ async def _turn(run: _Run, graph_input: Any, pending: GraphRun | None = None) ->
         result = await run(Command(resume=answer), on_event)
     if streaming["open"]:
         console.print()
+    if show_answer and not result.paused and not _final_answer(result):
+        console.print(f"[yellow]no answer: {escape(_why_no_answer(result))}[/yellow]")
     return result
+
+
+def _visible(text: str) -> str:
+    """Model text without end-of-turn markers."""
+    for marker in END_MARKERS:
+        text = text.replace(marker, "")
+    return text.strip()
 
 
 async def _repl(run: _Run, result: GraphRun | None = None) -> GraphRun:
@@ -273,6 +344,7 @@ async def _repl(run: _Run, result: GraphRun | None = None) -> GraphRun:
         try:
             text = console.input("[bold blue]you> [/bold blue]")
         except EOFError:
+            console.print()  # Ctrl-D leaves the cursor on the prompt line
             break
         if not text.strip():
             break
@@ -281,12 +353,28 @@ async def _repl(run: _Run, result: GraphRun | None = None) -> GraphRun:
 
 
 def _final_answer(result: GraphRun) -> str:
-    """The last plain answer of the current invocation (not one from earlier in the thread)."""
+    """The last plain answer of the current invocation (not one from earlier in the thread); a
+    reply that is an unreadable tool call is no answer."""
     for m in reversed(as_closedloop(result.state.get("messages", []))):
         if role_of(m) == "user":
             break
         if isinstance(m, AssistantMessage) and not m.tool_calls:
-            return m.text
+            return "" if TOOL_CALL_OPEN in m.text else _visible(m.text)
     return ""
+
+
+def _why_no_answer(result: GraphRun) -> str:
+    """Why the current invocation ended without a plain answer, from its last message."""
+    messages = as_closedloop(result.state.get("messages", []))
+    last = messages[-1] if messages else None
+    if isinstance(last, AssistantMessage) and TOOL_CALL_OPEN in last.text:
+        return "the model's last reply was a tool call that could not be read"
+    if isinstance(last, AssistantMessage) and last.tool_calls:
+        return "the model asked for a tool call and the turn budget (--max-turns) ran out"
+    if isinstance(last, ToolMessage):
+        return "the turn budget (--max-turns) ran out after a tool result"
+    if isinstance(last, AssistantMessage):
+        return "the model's reply was empty"
+    return "the graph ended without a model reply"
 
 

@@ -16,12 +16,14 @@ import json
 import re
 import sys
 from datetime import datetime, timedelta
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from closedloop.messages import AssistantMessage
+from closedloop.terminal import make_console
 from closedloop.store import TERMINAL_STATUSES, RunNotFoundError, RunRecord, RunStore, RunSummary
 from closedloop.store.export import rows_for, write_jsonl
 
@@ -38,9 +40,19 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(**{_UNITS[m.group(2)]: float(m.group(1))})
 
 
+def _duration_text(d: timedelta) -> str:
+    """``30 days``, ``12 hours``, ``90 minutes``: a duration as it was given, not timedelta's ``30 days, 0:00:00``."""
+    seconds = d.total_seconds()
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size and seconds % size == 0:
+            n = int(seconds // size)
+            return f"{n} {unit}{'s' if n != 1 else ''}"
+    return f"{seconds:g} seconds"
+
+
 def _console() -> Console:
     # Tables wider than 80 columns stay readable when piped or captured.
-    return Console(width=None if sys.stdout.isatty() else 160, highlight=False)
+    return make_console()
 
 
 def _store(args: argparse.Namespace) -> RunStore:
@@ -142,6 +154,11 @@ def _show_metrics(metrics: list[dict[str, float]], console: Console) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     store = _store(args)
     try:
+        if args.id == "latest":  # the newest top-level run: what a person just ran
+            newest = store.list_runs(limit=1)
+            if not newest:
+                raise RunNotFoundError(f"no runs in {store.path}")
+            args.id = newest[0].id
         run = store.get_run(args.id)
     except RunNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -175,19 +192,40 @@ def cmd_export(args: argparse.Namespace) -> int:
     trajectories = _store(args).iter_trajectories(kind=args.kind, graph=args.graph, tag=args.tag, status=status,
                                                   min_reward=args.min_reward)
     options = {"strategy": args.pairs} if args.format == "pairs" else {}
-    count = write_jsonl(rows_for(args.format, trajectories, **options), args.out)
-    print(f"wrote {count} {args.format} row(s) to {args.out}")
+    seen = {"runs": 0, "rewarded": 0}
+
+    def counted(items: Any) -> Any:
+        for traj in items:
+            seen["runs"] += 1
+            seen["rewarded"] += bool(traj.rewards)
+            yield traj
+
+    count = write_jsonl(rows_for(args.format, counted(trajectories), **options), args.out)
+    print(f"wrote {count} {args.format} row(s) to {args.out}" + ("" if count else f": {_why_no_rows(args, seen)}"))
     return 0
+
+
+def _why_no_rows(args: argparse.Namespace, seen: dict[str, int]) -> str:
+    """Why an export came out empty, from what the filters matched."""
+    if not seen["runs"]:
+        filters = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in (("kind", args.kind), ("graph", args.graph),
+                            ("tag", args.tag), ("status", args.status), ("min_reward", args.min_reward)) if v is not None)
+        return f"no run matched ({filters})"
+    if args.format == "sft":
+        return f"{seen['runs']} run(s) matched, none with an assistant message"
+    return (f"{seen['runs']} run(s) matched, {seen['rewarded']} with rewards; {args.format} need runs of the same task "
+            f"with different rewards (evaluate or train to record some)")
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
     count = _store(args).delete_older_than(args.older_than)
-    print(f"deleted {count} run(s) that ended more than {args.older_than} ago")
+    print(f"deleted {count} run(s) that ended more than {_duration_text(args.older_than)} ago")
     if args.artifacts:  # the same retention for tool artifacts (closedloop.artifacts)
         from closedloop.artifacts import prune_artifacts
 
         rep = prune_artifacts(older_than=args.older_than)
-        print(f"deleted {rep.removed} artifact(s) ({rep.freed_bytes / 2**20:.1f} MiB) older than {args.older_than}")
+        print(f"deleted {rep.removed} artifact(s) ({rep.freed_bytes / 2**20:.1f} MiB) older than "
+              f"{_duration_text(args.older_than)}")
     return 0
 
 
@@ -200,16 +238,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     runs_sub = p.add_subparsers(dest="runs_command", required=True)
 
     ls = runs_sub.add_parser("list", parents=[common], help="recent runs, newest first")
-    ls.add_argument("--limit", type=int, default=20)
-    ls.add_argument("--status", choices=("running",) + TERMINAL_STATUSES)
-    ls.add_argument("--graph")
+    ls.add_argument("--limit", type=int, default=20, help="at most this many runs")
+    ls.add_argument("--status", choices=("running",) + TERMINAL_STATUSES, help="only runs with this status")
+    ls.add_argument("--graph", help="only runs of this graph")
     ls.add_argument("--kind", help="run, eval, train, ...")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ls.set_defaults(func=cmd_list)
 
     show = runs_sub.add_parser("show", parents=[common], help="one run: messages, turns, tool calls, outcome")
-    show.add_argument("id", help="run id or a unique prefix of it")
-    show.add_argument("--json", action="store_true")
+    show.add_argument("id", help="run id, a unique prefix of it, or 'latest' (the newest run)")
+    show.add_argument("--json", action="store_true", help="print the run as one JSON object")
     show.set_defaults(func=cmd_show)
 
     export = runs_sub.add_parser("export", parents=[common],
@@ -220,10 +258,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "groups: GRPO groups per task; otlp: OpenTelemetry spans sent to --endpoint")
     export.add_argument("--endpoint", metavar="URL", help="otlp: OTLP/HTTP receiver (default: $OTEL_EXPORTER_OTLP_"
                                                           "ENDPOINT, else http://localhost:4318)")
-    export.add_argument("--out", metavar="FILE.jsonl")
+    export.add_argument("--out", metavar="FILE.jsonl", help="--format sft|pairs|groups: the JSONL file to write")
     export.add_argument("--kind", help="only runs of this kind (train, episode, run, ...)")
-    export.add_argument("--graph")
-    export.add_argument("--tag")
+    export.add_argument("--graph", help="only runs of this graph")
+    export.add_argument("--tag", help="only runs with this tag")
     export.add_argument("--min-reward", type=float, help="only episodes whose summed rewards reach this")
     export.add_argument("--status", default="completed", choices=("any", "running") + TERMINAL_STATUSES,
                         help="only runs with this status (default: completed; 'any' for all)")

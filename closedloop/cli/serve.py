@@ -14,8 +14,8 @@ _LIMITS = {"header_timeout_s": 20.0, "body_timeout_s": 60.0, "idle_timeout_s": 5
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("--model", required=True, help="model spec, e.g. hf:/path/to/checkpoint")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--served-name", default=None,
                    help="the model name clients must send (default: the spec's model part)")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
@@ -59,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "timeout; default %(default)s)")
     p.add_argument("--max-connections", type=int, default=_LIMITS["max_connections"], metavar="N",
                    help="connections open at once; one more is answered 503 and closed (default %(default)s)")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info: one line per request)")
     p.set_defaults(func=handle)
 
 
@@ -71,8 +72,12 @@ def handle(args: argparse.Namespace) -> int:
     from closedloop.server import create_app
     from closedloop.server.connections import ConnectionLimits, uvicorn_config
 
+    from closedloop.models.locate import locate_checkpoint
+
     try:
         spec = parse_spec(args.model)
+        if spec.backend in ("hf", "vllm"):
+            locate_checkpoint(spec.model)  # before an engine process starts loading it
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -141,7 +146,7 @@ def handle(args: argparse.Namespace) -> int:
         client: ModelClient = EngineProcessClient(args.model, torch_threads=threads, cpus=engine_cpus, **kwargs)
         if server_cpus is not None:
             bind_this_process(server_cpus)
-            print(f"engine on CPUs {engine_cpus}, server on CPUs {server_cpus} (--engine-cpus none: no binding)",
+            print(f"engine bound to CPUs {engine_cpus}, server to CPUs {server_cpus} (--engine-cpus none: no binding)",
                   file=sys.stderr, flush=True)
     else:
         client = make_client(spec, **kwargs)

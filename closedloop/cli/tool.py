@@ -20,19 +20,19 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.text import Text
 
+from closedloop.terminal import make_console
 from closedloop import plugins
 from closedloop.messages import ToolCall
 from closedloop.tool import ArgumentLimits, ToolRegistry, ToolResult
 from closedloop.tool_models import allow_model, allowed_models
 
-console = Console()
-err = Console(stderr=True)
+console = make_console()
+err = make_console(stderr=True)
 
 CALLER_ERRORS = {"unknown_tool", "malformed_json", "invalid_arguments", "bad_input"}
 
@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "$CLOSEDLOOP_TOOL_MODELS)")
     c.set_defaults(func=handle_call)
     s = tsub.add_parser("schema", help="print a tool's JSON schema (the OpenAI tools entry)")
-    s.add_argument("name")
+    s.add_argument("name", help="tool name (see `closedloop tools`)")
     s.add_argument("--tools", default="", help="comma-separated tool modules to look in (default: all)")
     s.set_defaults(func=handle_schema)
 
@@ -168,7 +168,8 @@ def _print(args: argparse.Namespace, result: ToolResult, run_id: str | None, sto
         return
     if result.ok:
         body: Any = Syntax(json.dumps(parsed, indent=2), "json") if not isinstance(parsed, str) else Text(parsed)
-        console.print(Panel(body, title=f"{result.name} ({result.latency_s * 1000:.1f} ms)", border_style="green"))
+        console.print(Panel(body, title=f"{result.name} ({result.latency_s * 1000:.1f} ms)", border_style="green",
+                            expand=False))
     else:
         err.print(f"[red]error ({result.error_kind}):[/red] {escape(result.error or '')}")
     if store:

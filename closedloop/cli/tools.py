@@ -30,7 +30,7 @@ def handle(args: argparse.Namespace) -> int:
     except (plugins.PluginNotFound, plugins.DuplicatePluginError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from rich.console import Console
+    from closedloop.terminal import make_console
     from rich.table import Table
 
     table = Table(title="tools")
@@ -39,7 +39,7 @@ def handle(args: argparse.Namespace) -> int:
     table.add_column("description")
     for module, name, mutates, description in rows:
         table.add_row(name, module, "yes" if mutates else "", description)
-    Console().print(table)
+    make_console().print(table)
     return 0
 
 

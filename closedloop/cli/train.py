@@ -119,22 +119,33 @@ def handle(args: argparse.Namespace) -> int:
 
     try:
         result = module.run_from_config(config)
-    except (ValueError, FileNotFoundError) as e:  # bad data found while setting up (an empty dataset, ...)
+    except (ValueError, FileNotFoundError, plugins.PluginNotFound) as e:  # bad data found while setting up
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TrainingDivergedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    step = getattr(result, "step", None)
+    at = f" at step {step}" if step is not None else ""
     if getattr(result, "interrupted", False):
-        print(f"interrupted at step {getattr(result, 'step', '?')}; checkpoint {getattr(result, 'checkpoint', None)}. "
-              f"Continue with --set resume=auto", file=sys.stderr)
+        checkpoint = getattr(result, "checkpoint", None)
+        print(f"interrupted{at}{f'; checkpoint {checkpoint}' if checkpoint else ''}. Continue with "
+              f"--set resume=auto", file=sys.stderr)
         return 130
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun / accelerate launch only rank 0 reports
         return 0
+    print(done_line(result))
+    return 0
+
+
+def done_line(result: Any) -> str:
+    """The last line of a training: steps, the final loss/reward, where the model and run went (only
+    what the result really holds: a trainer result without a step count says "done", never "? steps")."""
+    step = getattr(result, "step", None)
     out = getattr(result, "output_dir", None)
     metrics = getattr(result, "metrics", None) or {}
-    summary = " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k in ("loss", "eval_loss", "reward"))
-    print(f"done: {getattr(result, 'step', '?')} steps{' · ' + summary if summary else ''}"
-          f"{f'; model saved to {out}' if out else ''}"
-          f"{f'; run {result.run_id}' if getattr(result, 'run_id', None) else ''}")
-    return 0
+    summary = " ".join(f"{k}={v:.4g}" for k, v in metrics.items()
+                       if k in ("loss", "eval_loss", "reward") and isinstance(v, (int, float)))
+    return (f"done: {step} steps" if step is not None else "done") + (f" · {summary}" if summary else "") \
+        + (f"; model saved to {out}" if out else "") \
+        + (f"; run {result.run_id}" if getattr(result, "run_id", None) else "")

@@ -20,7 +20,9 @@ from closedloop.models.base import (ContextLengthExceededError, GenerateRequest,
                                     ModelUnavailableError, UnsupportedInputError,
                                     SamplingParams, StreamEvent, TextDelta, ToolChoice, TurnDone)
 
-__all__ = ["ModelClient", "SamplingParams", "ModelError", "ModelUnavailableError", "ContextLengthExceededError",
+from closedloop.models.locate import CheckpointNotFoundError
+
+__all__ = ["CheckpointNotFoundError", "ModelClient", "SamplingParams", "ModelError", "ModelUnavailableError", "ContextLengthExceededError",
            "UnsupportedInputError",
            "GenerateRequest",
            "StreamEvent", "TextDelta", "TurnDone", "ToolChoice", "ModelSpec", "parse_spec", "make_client"]

@@ -23,7 +23,9 @@ def openai(spec: ModelSpec, **kwargs: Any) -> ModelClient:
 def hf(spec: ModelSpec, **kwargs: Any) -> ModelClient:
     """A local transformers checkpoint; a vision-language one gets its processor-aware client."""
     from closedloop.models.hf_vision import HFVisionClient, is_vision_checkpoint
+    from closedloop.models.locate import locate_checkpoint
 
+    locate_checkpoint(spec.model)  # a missing local path fails here, in one line, not after hub retries
     if is_vision_checkpoint(spec.model):  # a VLM: prompts through its processor
         return HFVisionClient.from_pretrained(spec.model, **kwargs)
     from closedloop.models.hf import HFClient
@@ -33,6 +35,11 @@ def hf(spec: ModelSpec, **kwargs: Any) -> ModelClient:
 
 def vllm(spec: ModelSpec, **kwargs: Any) -> ModelClient:
     """vLLM's offline engine (GPU; the ``vllm`` extra)."""
+    import importlib.util
+
+    from closedloop.models.locate import locate_checkpoint
     from closedloop.models.vllm_client import VLLMClient
 
+    if importlib.util.find_spec("vllm") is not None:  # without vLLM its install hint comes first
+        locate_checkpoint(spec.model)
     return VLLMClient(spec.model, **kwargs)

@@ -6,6 +6,10 @@ BPE tokenizer on text generated here, creates a 2-layer Qwen2-style model with a
 chat template (tools in ``<tools>``, calls as ``<tool_call>`` JSON, results as ``<tool_response>``),
 and runs a short CPU SFT warm-up on synthetic tool-use conversations so greedy decoding emits
 well-formed tool calls. The result is an ordinary HF checkpoint directory.
+
+Named settings live in :mod:`closedloop.models.tiny_presets`; :func:`ensure_tiny_model` keeps a
+folder that already holds a build, or copies one from the build cache (``CLOSEDLOOP_TINY_CACHE``),
+so the README, the serve script and the demo share one build per machine.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from closedloop.models.hf import HFClient
@@ -87,6 +91,10 @@ class TinyConfig:
     n_conversations: int = 600
     # Relative weight of goal-restatement examples (tool use weighs 9, chit-chat 2).
     goal_weight: float = 2.0
+    # Share of examples in the form an agent graph sends: the react graph's default system prompt
+    # and tool schemas as closedloop's @tool writes them (a description per argument). 0 keeps the
+    # data (and the checkpoint) exactly as before this option existed.
+    agent_format: float = 0.0
     # Label smoothing of the warm-up loss (0: plain cross-entropy). The frozen IG scorer uses it:
     # without it, tokens the training data never continues with get arbitrary, seed-dependent
     # log-probabilities far in the tail (-10 nats and below), and a log-ratio of two such tails
@@ -107,11 +115,12 @@ def token_id(tokenizer: Any, token: str) -> int:
     return found
 
 
-def _fn(name: str, description: str, props: dict[str, str]) -> dict[str, Any]:
-    # Same shape as closedloop's @tool schemas, so demos with real tools look familiar to the model.
+def _fn(name: str, description: str, props: dict[str, str], docs: dict[str, str] | None = None) -> dict[str, Any]:
+    # Same shape as closedloop's @tool schemas, so demos with real tools look familiar to the model
+    # (``docs``: a description per argument, as @tool takes them from the docstring's Args).
+    properties = {k: ({"description": docs[k], "type": v} if docs else {"type": v}) for k, v in props.items()}
     return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "additionalProperties": False, "properties": {k: {"type": v} for k, v in props.items()},
-        "required": list(props), "type": "object"}}}
+        "additionalProperties": False, "properties": properties, "required": list(props), "type": "object"}}}
 
 
 def tool_schemas(rng: random.Random | None = None) -> dict[str, dict[str, Any]]:
@@ -124,6 +133,26 @@ def tool_schemas(rng: random.Random | None = None) -> dict[str, dict[str, Any]]:
                         {"a": num, "b": num}),
         "get_weather": _fn("get_weather", pick(["Get the current weather for a city.", "Weather in a city."]),
                            {"city": "string"}),
+    }
+
+
+# What the react graph sends by default (closedloop.runtime.context.DEFAULT_SYSTEM_PROMPT; a test
+# checks they agree: models cannot import the runtime) and the arithmetic tools' schemas as @tool
+# writes them: the form of `closedloop run react --tools arithmetic` and of the README's examples.
+AGENT_SYSTEM_PROMPT = ("You are a helpful assistant. Use the tools when they help; "
+                       "answer the user directly when you have what you need.")
+GREETING = "Hi! How can I help you today?"  # τ-bench's agent opens every episode with it
+
+
+def agent_tool_schemas() -> dict[str, dict[str, Any]]:
+    """The three warm-up tools as closedloop's ``@tool`` describes them (``closedloop.tools.arithmetic``)."""
+    return {
+        "add": _fn("add", "Add two numbers.", {"a": "number", "b": "number"},
+                   {"a": "The first addend.", "b": "The second addend."}),
+        "multiply": _fn("multiply", "Multiply two numbers.", {"a": "number", "b": "number"},
+                        {"a": "The first factor.", "b": "The second factor."}),
+        "get_weather": _fn("get_weather", "Get the current weather for a city.", {"city": "string"},
+                           {"city": "The city."}),
     }
 
 
@@ -178,11 +207,16 @@ def goal_conversation(rng: random.Random) -> list[dict[str, Any]]:
     return msgs + [{"role": "user", "content": GOAL_REQUEST}, {"role": "assistant", "content": GOAL_PREFIX + goal}]
 
 
-def synthetic_conversation(rng: random.Random, goal_weight: float = 2.0) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """One ``(messages, tools)`` example in template-dict form: a tool-use exchange or chit-chat."""
-    system = rng.choice(SYSTEMS)
+def synthetic_conversation(rng: random.Random, goal_weight: float = 2.0,
+                           agent_format: float = 0.0) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """One ``(messages, tools)`` example in template-dict form: a tool-use exchange or chit-chat;
+    with probability ``agent_format`` in the form an agent graph sends (see :data:`AGENT_SYSTEM_PROMPT`)."""
+    agent = agent_format > 0 and rng.random() < agent_format  # no draw at 0: the old data, unchanged
+    system = AGENT_SYSTEM_PROMPT if agent else rng.choice(SYSTEMS)
     msgs: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
-    schemas = tool_schemas(rng)
+    if agent and rng.random() < 0.3:  # the agent speaks first, as in a τ-bench episode
+        msgs.append({"role": "assistant", "content": GREETING})
+    schemas = agent_tool_schemas() if agent else tool_schemas(rng)
     kind = rng.choices(["add", "multiply", "get_weather", "chat", "goal"], weights=[4, 3, 2, 2, goal_weight])[0]
     if kind == "goal":
         return msgs + goal_conversation(rng), None
@@ -275,7 +309,8 @@ def _encode_example(tokenizer, messages: list[dict[str, Any]], tools) -> tuple[l
     return ids, mask
 
 
-def _warm_up(model, tokenizer, cfg: TinyConfig, examples: list[tuple[list[int], list[int]]], log) -> list[float]:
+def _warm_up(model, tokenizer, cfg: TinyConfig, examples: list[tuple[list[int], list[int]]], log,
+             on_step: Callable[[int, int, float], None] | None = None) -> list[float]:
     import torch
 
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -307,7 +342,9 @@ def _warm_up(model, tokenizer, cfg: TinyConfig, examples: list[tuple[list[int], 
         opt.step()
         sched.step()
         losses.append(loss.item())
-        if log and (step % 50 == 0 or step == cfg.train_steps - 1):
+        if on_step is not None:
+            on_step(step + 1, cfg.train_steps, losses[-1])
+        if log and on_step is None and (step % 50 == 0 or step == cfg.train_steps - 1):
             log(f"step {step:4d} loss {loss.item():.4f}")
     model.eval()
     return losses
@@ -322,16 +359,8 @@ def _portable_tokenizer_config(path: Path) -> None:
     cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
 
 
-def build_tiny_model(path: str | Path, *, seed: int = 0, train_steps: int = 500, log=None,
-                     **overrides: Any) -> Path:
-    """Build the tiny tool-calling model into ``path`` (created; existing files overwritten).
-
-    Deterministic for a given seed and thread count. ``overrides`` set other :class:`TinyConfig`
-    fields (e.g. ``hidden_size``). ``log`` receives progress lines.
-    """
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+def tiny_config(*, seed: int = 0, train_steps: int = 500, **overrides: Any) -> TinyConfig:
+    """The checked :class:`TinyConfig` of a build."""
     unknown = set(overrides) - set(TinyConfig.__dataclass_fields__)
     if unknown:
         raise ValueError(f"unknown tiny-model settings: {sorted(unknown)}")
@@ -340,6 +369,23 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, train_steps: int = 500,
     cfg = TinyConfig(seed=seed, train_steps=train_steps, **overrides)
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {cfg.label_smoothing}")
+    if not 0.0 <= cfg.agent_format <= 1.0:
+        raise ValueError(f"agent_format must be in [0, 1], got {cfg.agent_format}")
+    return cfg
+
+
+def build_tiny_model(path: str | Path, *, seed: int = 0, train_steps: int = 500, log=None,
+                     on_step: Callable[[int, int, float], None] | None = None, **overrides: Any) -> Path:
+    """Build the tiny tool-calling model into ``path`` (created; existing files overwritten).
+
+    Deterministic for a given seed and thread count. ``overrides`` set other :class:`TinyConfig`
+    fields (e.g. ``hidden_size``). ``log`` receives progress lines; ``on_step(step, total, loss)``
+    is called after each warm-up step.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = tiny_config(seed=seed, train_steps=train_steps, **overrides)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -347,7 +393,7 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, train_steps: int = 500,
     torch.set_num_threads(cfg.torch_threads)
     try:
         rng = random.Random(cfg.seed)
-        convs = [synthetic_conversation(rng, cfg.goal_weight) for _ in range(cfg.n_conversations)]
+        convs = [synthetic_conversation(rng, cfg.goal_weight, cfg.agent_format) for _ in range(cfg.n_conversations)]
         tokenizer = build_tokenizer(cfg, [_render_plain(m, t) for m, t in convs])
         examples = [_encode_example(tokenizer, m, t) for m, t in convs]
 
@@ -362,7 +408,7 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, train_steps: int = 500,
                              pad_token_id=tokenizer.pad_token_id,
                              rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
         model = Qwen2ForCausalLM(config)
-        losses = _warm_up(model, tokenizer, cfg, examples, log) if cfg.train_steps else []
+        losses = _warm_up(model, tokenizer, cfg, examples, log, on_step) if cfg.train_steps else []
         model.generation_config.eos_token_id = [config.eos_token_id,
                                                 tokenizer.convert_tokens_to_ids("<|endoftext|>")]
         model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -371,13 +417,93 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, train_steps: int = 500,
         _portable_tokenizer_config(path)
     finally:
         torch.set_num_threads(old_threads)
-    record = {"config": asdict(cfg), "n_parameters": sum(p.numel() for p in model.parameters()),
+    record = {"config": asdict(cfg), "build_key": build_key(cfg), "n_parameters": sum(p.numel() for p in model.parameters()),
               "vocab_size": len(tokenizer), "final_loss": losses[-1] if losses else None,
               "initial_loss": losses[0] if losses else None, "build_seconds": round(time.perf_counter() - t0, 2),
               "mean_example_tokens": round(sum(len(i) for i, _ in examples) / len(examples), 1),
               "torch": torch.__version__}
     (path / TINY_CONFIG_FILE).write_text(json.dumps(record, indent=2))
     return path
+
+
+# --------------------------------------------------------------------------- reuse of finished builds
+
+#: Where finished builds are kept by their settings, so a second ``closedloop model tiny`` with the
+#: same settings (another folder, the serve script after the README) copies instead of training
+#: again. ``off`` (or empty) turns it off.
+CACHE_ENV = "CLOSEDLOOP_TINY_CACHE"
+
+
+def build_key(cfg: TinyConfig) -> str:
+    """What determines a build: its settings, this module's code and the torch and transformers
+    versions (a build with an equal key is the same checkpoint)."""
+    import hashlib
+
+    import torch
+    import transformers
+
+    text = json.dumps(asdict(cfg), sort_keys=True) + torch.__version__ + transformers.__version__
+    return hashlib.sha256(Path(__file__).read_bytes() + text.encode()).hexdigest()[:16]
+
+
+def _cache_root() -> Path | None:
+    import os
+
+    value = os.environ.get(CACHE_ENV)
+    if value is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "closedloop" / "tiny"
+    return None if value.strip().lower() in ("", "off", "0", "false", "no") else Path(value).expanduser()
+
+
+def built_with(path: str | Path) -> str | None:
+    """The build key recorded in a tiny checkpoint (None: not a finished tiny build)."""
+    try:
+        return json.loads((Path(path) / TINY_CONFIG_FILE).read_text()).get("build_key")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def ensure_tiny_model(path: str | Path, *, seed: int = 0, train_steps: int = 500, log=None,
+                      on_step: Callable[[int, int, float], None] | None = None,
+                      **overrides: Any) -> tuple[Path, str]:
+    """The tiny model with these settings in ``path``: kept when ``path`` already holds that very
+    build, copied from the build cache (:data:`CACHE_ENV`) when it holds one, else built (and
+    cached). Returns the path and how it got there: ``"kept"``, ``"cached"`` or ``"built"``. A
+    folder holding a build with other settings is rebuilt, so changing a setting always takes."""
+    import shutil
+    import tempfile
+
+    key = build_key(tiny_config(seed=seed, train_steps=train_steps, **overrides))
+    path = Path(path)
+    if built_with(path) == key:
+        return path, "kept"
+    cache = _cache_root()
+    cached = cache / key if cache is not None else None
+    if cached is not None and built_with(cached) == key:
+        path.mkdir(parents=True, exist_ok=True)
+        for f in cached.iterdir():
+            if f.is_file() and f.name != TINY_CONFIG_FILE:
+                shutil.copy2(f, path / f.name)
+        shutil.copy2(cached / TINY_CONFIG_FILE, path / TINY_CONFIG_FILE)  # last: its presence means a whole copy
+        return path, "cached"
+    (path / TINY_CONFIG_FILE).unlink(missing_ok=True)  # a half-replaced folder must not look finished
+    build_tiny_model(path, seed=seed, train_steps=train_steps, log=log, on_step=on_step, **overrides)
+    if cache is not None and cached is not None:
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
+            for f in path.iterdir():
+                if f.is_file():
+                    shutil.copy2(f, staging / f.name)
+            try:
+                staging.rename(cached)
+            except OSError:  # another process cached the same build meanwhile
+                shutil.rmtree(staging, ignore_errors=True)
+        except OSError as e:  # a cache that cannot be written costs only the next build
+            if log:
+                log(f"note: could not cache the build in {cache}: {e}")
+    return path, "built"
 
 
 def endless_client(spec: str, **kwargs: Any) -> "HFClient":

@@ -131,7 +131,10 @@ async def aevaluate_factguard(samples: list[Sample], client: ModelClient, backen
         store.record_trajectories(trajectories, kind="eval-episode", graph=graph_name, model_spec=client.spec,
                                   parent_id=parent, tags=["factguard"])
         errors = sum(r.error is not None for r in results)
-        store.finish_run(parent, "completed", outcome={"metrics": metrics.model_dump(), "errors": errors,
+        answered = metrics.n - metrics.unanswered
+        # Nothing answered: no metric is stored (they would be the unanswered convention's numbers).
+        store.finish_run(parent, "completed", outcome={**({"metrics": metrics.model_dump()} if answered else {}),
+                                                       "answered": answered, "errors": errors,
                                                        "tool_rate": report.tool_rate})
     return report
 

@@ -178,9 +178,12 @@ async def _evaluate(args: argparse.Namespace, settings: Any, problems: list[Any]
                   show_header=False, caption=escape(f"run {report.parent_id} in {store.path}"))
     table.add_row("samples", f"{len(report.results)} graded of {report.total} (ran {report.ran}, from store "
                              f"{report.reused}) in {report.wall_s:.1f}s; scale {settings.scale:g}")
-    table.add_row("outcomes", ", ".join(f"{k}: {v}" for k, v in sorted(report.outcomes.items())) or "-")
+    no_agent = settings.source() != "agent"  # candidate files or the references: no agent to blame
+    table.add_row("outcomes", ", ".join(f"{_outcome_label(k, no_agent)}: {v}"
+                                        for k, v in sorted(report.outcomes.items())) or "-")
     table.add_row("statuses", ", ".join(f"{k}: {v}" for k, v in s["statuses"].items()) or "-")
-    table.add_row("fast_p", "  ".join(f"{k}={v:.3f}" for k, v in s["fast_p"].items()))
+    table.add_row("fast_p", "  ".join(f"{k}={v:.3f}" for k, v in s["fast_p"].items()) if report.results
+                  else "- (nothing graded)")
     gm = s.get("geomean_speedup")
     table.add_row("geomean speedup", "-" if gm is None else f"{gm:.3f}x over eager torch (correct samples)")
     for key in (k for k in s if k.startswith("pass@")):
@@ -189,11 +192,22 @@ async def _evaluate(args: argparse.Namespace, settings: Any, problems: list[Any]
         table.add_row("suspicious", f"{len(s['suspicious'])} (excluded from fast_p until reviewed)")
     out.print(table)
     for e in report.errors[:10]:
-        out.print(f"  [red]{e['outcome']}[/] {escape(e['problem'])} sample {e['sample_id']}: {escape(str(e['error'])[:200])}")
-    if args.export:
-        paths = write_eval_results(report.results, args.export)
-        out.print("exported " + ", ".join(escape(str(p)) for p in paths.values()))
+        out.print(f"  [red]{_outcome_label(e['outcome'], no_agent)}[/] {escape(e['problem'])} sample "
+                  f"{e['sample_id']}: {escape(str(e['error'])[:200])}")
+    if args.export:  # never claims a file it did not write
+        paths = write_eval_results(report.results, args.export) if report.results else {}
+        out.print("exported " + ", ".join(escape(str(p)) for p in paths.values()) if paths
+                  else f"export: nothing written to {escape(str(args.export))} (no sample was graded)")
     if args.plot:
-        p = plot_speedups(report.results, args.plot)
-        out.print(f"plot: {escape(str(p))}" if p else "plot: matplotlib is not installed; nothing written")
+        if not any(r.speedup for r in report.results if r.status in ("correct", "suspicious")):
+            out.print(f"plot: nothing written to {escape(str(args.plot))} (no correct sample has a speedup)")
+        else:
+            p = plot_speedups(report.results, args.plot)
+            out.print(f"plot: {escape(str(p))}" if p else "plot: matplotlib is not installed; nothing written")
     return 0
+
+
+def _outcome_label(outcome: str, no_agent: bool) -> str:
+    """An outcome as the summary names it: without an agent, ``agent_error`` is the candidate file's
+    (missing, or no code in it), and says so."""
+    return "candidate file error" if no_agent and outcome == "agent_error" else outcome

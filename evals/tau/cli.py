@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
+from closedloop.evals.infra_errors import add_infra_errors_argument, infra_errors_failure
+
 SCENARIO_USER = "scenario"
 
 
@@ -36,9 +38,10 @@ def register(bench: argparse._SubParsersAction) -> None:
     """Add ``tau`` to the ``closedloop eval`` benchmark subparsers (entry point ``closedloop.benchmarks``)."""
     t = bench.add_parser("tau", help="τ²-bench (tau2-compatible): run, resume and export an evaluation",
                          description=__doc__.splitlines()[0])
-    t.add_argument("--domain", default="retail")
+    t.add_argument("--domain", default="retail", help="a registered τ domain (closedloop plugins domains)")
     t.add_argument("--split", default="base", help="task split from split_tasks.json ('base' = all tasks)")
-    t.add_argument("--data-dir", help="τ data root holding tau2/domains/<domain>/ (default: $TAU2_DATA_DIR)")
+    t.add_argument("--data-dir", help="τ data root holding tau2/domains/<domain>/ (default: $TAU2_DATA_DIR, else the "
+                                      "data a domain ships with, as helpdesk does)")
     t.add_argument("--task-ids", nargs="+", metavar="ID", help="run only these tasks of the split")
     t.add_argument("command", nargs="?", choices=["run", "import"], default="run",
                    help="run (the default) an evaluation, or import a tau2 results.json for pass^k")
@@ -51,8 +54,8 @@ def register(bench: argparse._SubParsersAction) -> None:
     t.add_argument("--trials", type=int, default=1, help="trials per task (pass^1..k)")
     t.add_argument("--concurrency", type=int, help="episodes run at once (default: 4; on Ray, as many as the "
                                                      "cluster's --ray-cpus/--ray-gpus slots hold)")
-    t.add_argument("--max-steps", type=int, default=200)
-    t.add_argument("--max-errors", type=int, default=10)
+    t.add_argument("--max-steps", type=int, default=200, help="routing steps before an episode ends (tau2's max_steps)")
+    t.add_argument("--max-errors", type=int, default=10, help="tool errors before an episode ends (tau2's max_errors)")
     t.add_argument("--episode-timeout", type=float, metavar="S", help="seconds before an episode ends as timeout")
     t.add_argument("--seed", type=int, default=300, help="master seed; one seed per trial derives from it (tau2)")
     t.add_argument("--temperature", type=float, default=0.0, help="agent sampling temperature")
@@ -64,6 +67,7 @@ def register(bench: argparse._SubParsersAction) -> None:
     t.add_argument("--resume", action="store_true",
                    help="resume --name, or the latest unfinished evaluation with this domain/split/agent/model")
     t.add_argument("--export", metavar="PATH", help="write tau2's results.json here when done")
+    add_infra_errors_argument(t)
     c = t.add_argument_group("conventions", "tau2's by default; ours by name (recorded in the export's "
                                             "info.conventions). See closedloop.evals.tau.conventions")
     c.add_argument("--gold-sync", action="store_true",
@@ -83,6 +87,7 @@ def handle(args: argparse.Namespace) -> int:
     from closedloop.evals.harness import ExecutorUnavailable
     from closedloop.evals.tau.data import TauDataError
     from closedloop.evals.tau.runner import EvalConfigError
+    from closedloop.models.base import ModelError
     from closedloop.plugins import PluginNotFound
 
     try:
@@ -91,18 +96,19 @@ def handle(args: argparse.Namespace) -> int:
         if not args.agent:
             raise ValueError("the following arguments are required: --agent")
         return asyncio.run(_tau(args))
-    except (TauDataError, EvalConfigError, PluginNotFound, ValueError, ExecutorUnavailable) as e:
+    except (TauDataError, EvalConfigError, PluginNotFound, ValueError, ExecutorUnavailable, ModelError) as e:
+        # a model that cannot be made (no OPENAI_API_KEY, a checkpoint that is not there) is set-up, one line
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
 def _import(args: argparse.Namespace) -> int:
     """``closedloop eval tau import results.json``: tau2's own results, pass^k and counts."""
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     from closedloop.evals.tau.metrics import results_metrics
+    from closedloop.terminal import make_console
     from closedloop.evals.tau.results import load_tau2_results
 
     if not args.results:
@@ -119,8 +125,11 @@ def _import(args: argparse.Namespace) -> int:
                         f"{len(tasks)} tasks, {len(sims)} simulations)")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    table.add_row("avg reward", _fmt(metrics.avg_reward) + f"  over {metrics.num_graded} graded episodes")
-    _pass_k_rows(table, metrics)
+    if metrics.num_graded:
+        table.add_row("avg reward", _fmt(metrics.avg_reward) + f"  over {metrics.num_graded} graded episodes")
+        _pass_k_rows(table, metrics)
+    else:
+        table.add_row("graded", "0 episodes (no metric: nothing was graded)")
     reasons: dict[str, int] = {}
     for s in sims:
         reasons[s.termination_reason.value] = reasons.get(s.termination_reason.value, 0) + 1
@@ -128,7 +137,7 @@ def _import(args: argparse.Namespace) -> int:
     table.add_row("ungraded (reward_info null)", str(len(metrics.ungraded)))
     table.add_row("infra errors", str(len(metrics.infrastructure_errors)))
     table.add_row("conventions", _conventions_text(metrics.conventions))
-    Console(width=None if sys.stdout.isatty() else 120, highlight=False).print(table)
+    make_console().print(table)
     return 0
 
 
@@ -197,10 +206,7 @@ def _resume_name(store: Any, args: argparse.Namespace) -> str:
 
 
 async def _tau(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.markup import escape
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
 
     from closedloop.evals.harness import Resources, executor_config_from_args, make_executor
     from closedloop.evals.tau.data import resolve_data_root
@@ -208,6 +214,7 @@ async def _tau(args: argparse.Namespace) -> int:
     from closedloop.evals.tau.runner import EvalSettings, TauRunner, export_results
     from closedloop.models import parse_spec
     from closedloop.store import RunStore
+    from closedloop.terminal import JobProgress, make_console
 
     oracle = args.agent == "oracle"
     if oracle and args.model:
@@ -225,7 +232,7 @@ async def _tau(args: argparse.Namespace) -> int:
     executor_config = executor_config_from_args(args)
 
     data, taskset, tasks = _load_tasks(args)
-    root = resolve_data_root(args.data_dir)
+    root = resolve_data_root(args.data_dir, args.domain)
     store = RunStore(args.store) if args.store else RunStore()
     resume = args.resume
     name = args.name
@@ -245,37 +252,61 @@ async def _tau(args: argparse.Namespace) -> int:
         temperature=None if oracle else args.temperature, max_tokens=None if oracle else args.max_tokens,
         user_temperature=args.user_temperature, **_convention_flags(args))
 
-    err = Console(stderr=True, highlight=False)
-    out = Console(width=None if sys.stdout.isatty() else 120, highlight=False)
-    progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("avg reward {task.fields[avg]}"), TextColumn("infra err {task.fields[infra]}"),
-                        TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
-    bar: dict[str, Any] = {}
+    err = make_console(stderr=True)
+    out = make_console()
+    title = f"τ {args.domain}/{args.split} {args.agent}"
+    progress: dict[str, JobProgress] = {}
 
-    def on_plan(p) -> None:
-        bar["id"] = progress.add_task(f"τ {args.domain}/{args.split} {args.agent}", total=p.total, completed=p.done,
-                                      avg=_fmt(p.avg_reward), infra=p.infra_errors)
+    def on_plan(p) -> None:  # the progress opens once the plan (and what the store already holds) is known
+        progress["job"] = JobProgress(title, p.total, done=p.done, unit="episodes").__enter__()
+        if p.done:
+            progress["job"].note(f"{title}: {p.done} of {p.total} episodes already in the store")
 
     def on_episode(sim, p) -> None:
-        progress.update(bar["id"], completed=p.done, avg=_fmt(p.avg_reward), infra=p.infra_errors)
+        progress["job"].update(p.done, **{"avg reward": _fmt(p.avg_reward), "graded": p.graded,
+                                          "infra errors": p.infra_errors})
 
     try:
         runner = TauRunner.from_settings(settings, tasks, data, store, guidelines=load_user_guidelines(root),
                                          executor=executor, on_episode=on_episode, on_plan=on_plan)
         try:
-            with progress:
-                report = await runner.run(resume=resume)
+            report = await runner.run(resume=resume)
         except (KeyboardInterrupt, asyncio.CancelledError):
+            if "job" in progress:
+                progress["job"].close()
             err.print(f"[yellow]interrupted[/]: finished episodes are stored; resume with "
                       f"[bold]--name {escape(name)}[/] (eval run {runner.parent_id})")
             raise KeyboardInterrupt from None
     finally:
+        if "job" in progress:
+            progress["job"].close()
         executor.close()
     _print_summary(out, report, store)
     if args.export:
         n = export_results(store, name, tasks, args.export, git_commit=_git_commit())
         out.print(f"exported {n} simulations to {escape(str(args.export))}")
+    failure = infra_errors_failure(len(report.summary["infrastructure_errors"]), len(report.simulations),
+                                   args.max_infra_errors)
+    if failure:
+        err.print(f"[red]error:[/] {escape(failure)}")
+        return 1
     return 0
+
+
+def _ungraded_rows(table: Table, summary: dict[str, Any], metrics: Any) -> None:
+    """How many episodes have no reward, and why, one reason a row (the judge was not asked: give
+    --judge-model; a gold replay that failed under strict_gold_replay; ...)."""
+    from rich.markup import escape
+
+    n = summary["ungraded"]
+    if not n:
+        table.add_row("ungraded", "0")
+        return
+    counted = "failures" if metrics.conventions.ungraded == "fail" else "left out"
+    table.add_row("ungraded", f"{n} episodes (no reward; {counted} in pass^k), because:")
+    for reason, count in sorted(summary["ungraded_reasons"].items(), key=lambda kv: -kv[1]):
+        hint = "; give --judge-model to grade them" if ("no judge" in reason or "judge was not asked" in reason) else ""
+        table.add_row("", escape(f"{count} × {reason}{hint}"))
 
 
 def _fmt(x: float | None) -> str:
@@ -293,8 +324,14 @@ def _print_summary(console: Console, report: Any, store: Any) -> None:
     table.add_column("value")
     table.add_row("episodes", f"{len(report.simulations)} of {report.total} (ran {report.ran}, "
                               f"from store {report.reused}) in {report.wall_s:.1f}s")
-    table.add_row("avg reward", _fmt(m.avg_reward) + f"  over {m.num_graded} graded episodes")
-    _pass_k_rows(table, m)
+    table.add_row("graded", f"{m.num_graded} episodes" + (f"  (avg reward {_fmt(m.avg_reward)})" if m.num_graded
+                                                          else "  (no metric: nothing was graded)"))
+    _ungraded_rows(table, s, m)
+    db = s["db"]
+    table.add_row("DB match", f"{db['matched']} of {db['checked']} episodes whose DB was checked" if db["checked"]
+                  else "- (no episode reached a DB check)")
+    if m.num_graded:
+        _pass_k_rows(table, m)
     reasons = ", ".join(f"{r}: {n}" for r, n in sorted(s["termination_reasons"].items())) or "-"
     table.add_row("terminations", escape(reasons))
     for who, u in s["usage"].items():
@@ -302,9 +339,6 @@ def _print_summary(console: Console, report: Any, store: Any) -> None:
             cost = "" if u["cost_usd"] is None else f"  ${u['cost_usd']:.4f}"
             table.add_row(f"{who} tokens", f"{u['prompt_tokens']} in / {u['completion_tokens']} out{cost}")
     table.add_row("cost", "-" if s["cost_usd"] is None else f"${s['cost_usd']:.4f}")
-    table.add_row("ungraded", str(s["ungraded"]) + (f"  (no --judge-model, or gold replay incomplete; "
-                                                    f"{'failures' if m.conventions.ungraded == 'fail' else 'left out'}"
-                                                    f" in pass^k)" if s["ungraded"] else ""))
     table.add_row("conventions", _conventions_text(m.conventions))
     infra = s["infrastructure_errors"]
     table.add_row("infra errors", f"{len(infra)}  (not counted; re-run on resume)" if infra else "0")

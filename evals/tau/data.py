@@ -16,7 +16,7 @@ from typing import Callable
 
 from closedloop.evals.tau.data_model import Task
 from closedloop.evals.tau.domains.base import TauDB
-from closedloop.evals.tau.domains.registry import Domain, get_domain
+from closedloop.evals.tau.domains.registry import Domain, available_domains, get_domain
 from closedloop.evals.tau.environment import Environment
 from closedloop.evals.tau.tau2_source import find_tau2_source, read_tool_docstrings
 
@@ -29,15 +29,28 @@ class TauDataError(FileNotFoundError):
     """The data root, a domain folder or one of its files is missing or malformed."""
 
 
-def resolve_data_root(data_dir: str | Path | None = None) -> Path:
+def resolve_data_root(data_dir: str | Path | None = None, domain: str | None = None) -> Path:
+    """``data_dir``, else ``$TAU2_DATA_DIR``, else the data the ``domain`` ships with (if any)."""
     raw = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV)
+    if raw is None and domain is not None:
+        raw = get_domain(domain).bundled_data
     if raw is None:
+        shipped = [n for n in available_domains() if _ships_data(n)]
         raise TauDataError(f"no τ data root: pass data_dir (--data-dir) or set {DATA_DIR_ENV} to a folder "
-                           f"containing tau2/domains/<name>/")
+                           f"containing tau2/domains/<name>/" + (f" (domains that ship their data, usable "
+                                                                f"without one: {', '.join(shipped)})" if shipped
+                                                               else ""))
     root = Path(raw).expanduser()
     if not (root / "tau2" / "domains").is_dir():
         raise TauDataError(f"{root} is not a τ data root: {root / 'tau2' / 'domains'} does not exist")
     return root
+
+
+def _ships_data(name: str) -> bool:
+    try:
+        return get_domain(name).bundled_data is not None
+    except Exception:  # noqa: BLE001 - a broken plugin is left out of a hint, not fatal to it
+        return False
 
 
 @dataclass
@@ -219,7 +232,7 @@ def load_domain(name: str, data_dir: str | Path | None = None, *, options: dict 
     domain's toolkit and :class:`~closedloop.evals.tau.environment.Environment`); with
     ``tau2_source`` the tool descriptions come from a tau2 checkout when one is found
     (:mod:`~closedloop.evals.tau.tau2_source`)."""
-    root = resolve_data_root(data_dir)
+    root = resolve_data_root(data_dir, name)
     folder = root / "tau2" / "domains" / name
     domain = get_domain(name)
     if not folder.is_dir():

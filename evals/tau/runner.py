@@ -189,10 +189,24 @@ def summarize(sims: list[SimulationRun], metrics: TauMetrics, *, agent_model: st
         "infrastructure_errors": [{"task_id": s.task_id, "trial": s.trial, "error": s.error} for s in sims
                                   if s.termination_reason == TerminationReason.INFRASTRUCTURE_ERROR],
         "ungraded": len(metrics.ungraded),
+        "ungraded_reasons": dict(Counter(_ungraded_reason(s) for s in sims if s.reward_info is not None
+                                         and s.reward_info.reward is None
+                                         and s.termination_reason != TerminationReason.INFRASTRUCTURE_ERROR)),
+        "db": {"checked": sum(1 for s in sims if s.reward_info is not None and s.reward_info.db_check is not None),
+               "matched": sum(1 for s in sims if s.reward_info is not None and s.reward_info.db_check is not None
+                              and s.reward_info.db_check.db_match)},
         "usage": usage,
         "cost_usd": sum(costs) if costs else None,
         "mean_duration_s": sum(s.duration for s in sims) / len(sims) if sims else None,
     }
+
+
+def _ungraded_reason(sim: SimulationRun) -> str:
+    """Why an episode has no reward, as one phrase: each ungraded component and its reason."""
+    assert sim.reward_info is not None
+    not_graded = sim.reward_info.not_graded or {}
+    return "; ".join(f"{getattr(k, 'value', k)} {v}" for k, v in sorted(not_graded.items(), key=lambda kv: str(kv[0]))) \
+        or "no reward recorded"
 
 
 TrialAgents = Callable[[int], AgentFactory]  # trial index -> (task -> agent); per trial for its seed

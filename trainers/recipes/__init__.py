@@ -19,7 +19,9 @@ __all__ = ["DEMO", "LATENCY", "ENTRY_POINT_GROUP", "Recipe", "RecipeError", "Rec
 
 _HERE = Path(__file__).resolve().parent
 
-#: ``closedloop demo``: tiny model -> SFT on calc experts -> GRPO -> held-out evaluation, table and plot.
+# Each constant's ``#:`` line is what ``closedloop plugins recipes`` shows without importing this
+# package; it repeats the recipe file's ``description:`` (tests/newcomer/test_cli_help.py checks they agree).
+#: the closed loop end to end: tiny model -> SFT -> GRPO -> held-out evaluation
 DEMO = _HERE / "demo.yaml"
-#: Latency-aware GRPO on ``simul`` (paper 7): SFT on delayed targets -> GRPO -> evaluation beside baselines.
+#: latency-aware GRPO on simul: SFT on delayed targets -> GRPO -> evaluation beside wait-k and the oracle
 LATENCY = _HERE / "latency.yaml"

@@ -46,17 +46,27 @@ class BaseModelStage(_Strict):
 
     model: str | None = Field(None, description="An existing model (hf:PATH or a directory); null: build the "
                                                 "offline tiny model in the stage's folder.")
-    tiny_steps: int = Field(1500, ge=0, description="Warm-up steps of the tiny model build.")
+    tiny_preset: str | None = Field(None, description="Named settings of the tiny model build "
+                                                      "(closedloop.models.tiny_presets: agent, test); null: the "
+                                                      "plain warm-up data with tiny_steps steps.")
+    tiny_steps: int | None = Field(None, ge=0, description="Warm-up steps of the tiny model build (null: the "
+                                                           "preset's, or 1500 without one).")
     seed: int = Field(0, description="Seed of the tiny model build.")
 
 
 def _base_model(config: BaseModelStage, ctx: StageContext) -> dict[str, Any]:
     if config.model:
         return {"model_dir": model_path(config.model)}
-    from closedloop.models.tiny import build_tiny_model
+    from closedloop.models.tiny import ensure_tiny_model
+    from closedloop.models.tiny_presets import preset_settings
 
-    ctx.log(f"building the tiny model ({config.tiny_steps} warm-up steps)")
-    build_tiny_model(ctx.dir, seed=config.seed, train_steps=config.tiny_steps)
+    settings = preset_settings(config.tiny_preset) if config.tiny_preset else {"train_steps": 1500}
+    if config.tiny_steps is not None:
+        settings["train_steps"] = config.tiny_steps
+    ctx.log(f"building the tiny model ({config.tiny_preset or 'plain'} data, {settings['train_steps']} warm-up steps)")
+    _, how = ensure_tiny_model(ctx.dir, seed=config.seed, **settings)
+    if how != "built":
+        ctx.log(f"tiny model {'kept' if how == 'kept' else 'copied from the build cache'}: same settings as before")
     return {"model_dir": str(ctx.dir)}
 
 

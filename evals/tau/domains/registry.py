@@ -40,6 +40,9 @@ class Domain:
     policy_file: str = "policy.md"
     policy_text: Callable[[Path], str] | None = None  # composes the policy from the domain folder (telecom)
     sync_tools: Callable[[Any], None] | None = None  # reconciles agent and user DBs after each step (tau2)
+    # A data root shipped with the domain's code (holding tau2/domains/<name>/), used when neither
+    # --data-dir nor $TAU2_DATA_DIR names one: an offline domain works with no setup (helpdesk).
+    bundled_data: Path | None = None
 
 
 def register_domain(domain: Domain, *, replace: bool = False) -> Domain:

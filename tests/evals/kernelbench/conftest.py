@@ -11,10 +11,11 @@ import pytest
 
 from closedloop.evals.kernelbench.evaluate import KernelEvalConfig, KernelEvaluator
 from closedloop.evals.kernelbench.problems import load_problems
+from closedloop.samples import sample_path
 from closedloop.sandbox import SandboxLimits
 
 HERE = Path(__file__).parent
-PROBLEMS = HERE / "problems"
+PROBLEMS = sample_path("kernelbench")  # the problems that ship with the package, as a user runs them
 RELU_OK = (HERE / "candidates" / "relu_ok.py").read_text()
 # The kernel every shared candidate uses, verbatim from relu_ok.py (same source, same cache key).
 KERNEL = RELU_OK.split("class ModelNew")[0]

@@ -150,9 +150,11 @@ def test_dead_user_server_is_an_infrastructure_error_not_a_failure(mini_root, tm
     rc = main(["eval", "tau", "--agent", "oracle", "--user-model", "openai:x@http://127.0.0.1:9/v1",
                "--data-dir", str(mini_root), "--split", "train", "--concurrency", "2",
                "--store", str(tmp_path / "s.duckdb"), "--name", "dead", "--export", str(out)])
-    assert rc == 0
-    text = capsys.readouterr().out
+    assert rc == 1  # every episode an infrastructure error: above --max-infra-errors, so the command fails
+    captured = capsys.readouterr()
+    text = captured.out
     assert "infra errors" in text and "re-run on resume" in text
+    assert "2 of 2 episodes (100%) ended in infrastructure errors" in captured.err
     sims = json.loads(out.read_text())["simulations"]
     assert len(sims) == 2 and {s["termination_reason"] for s in sims} == {"infrastructure_error"}
     parent = find_eval(RunStore(tmp_path / "s.duckdb"), "dead")
