@@ -66,7 +66,6 @@ PORTED_FILES = {
 KNOWN_OVERSIZED = {
     "evals/kernelbench/judge.py",
     "closedloop/server/app.py",
-    "closedloop/ui/app.py:create_app",
 }
 
 
