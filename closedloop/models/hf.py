@@ -54,7 +54,7 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any, AsyncGenerator
 
-from closedloop.messages import MediaRef, Turn, _Message
+from closedloop.messages import MediaRef, Turn, MessageBase
 from closedloop.models.base import (ContextLengthExceededError, GenerateRequest, ModelClient, ModelError, SamplingParams,
                                     StreamEvent, TextDelta, ToolChoice, TurnDone)
 from closedloop.models.chat_format import END_MARKERS, decode_ids, encode_prompt
@@ -198,7 +198,7 @@ class HFClient(HFAdmission, HFDecode, ModelClient):
 
     # ------------------------------------------------------------------ prompts
 
-    def encode_prompt(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+    def encode_prompt(self, messages: list[MessageBase], tools: list[dict[str, Any]] | None = None,
                       tool_choice: ToolChoice | None = None) -> list[int]:
         """The exact prompt token ids the model will see (chat template, tools, generation prompt)."""
         return encode_prompt(self.tokenizer, messages, tools, tool_choice)
@@ -223,11 +223,11 @@ class HFClient(HFAdmission, HFDecode, ModelClient):
 
     # ------------------------------------------------------------------ public API
 
-    async def generate(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+    async def generate(self, messages: list[MessageBase], tools: list[dict[str, Any]] | None = None,
                        params: SamplingParams | None = None, tool_choice: ToolChoice | None = None) -> Turn:
         return await self._submit(messages, tools, params, tool_choice)
 
-    async def stream(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+    async def stream(self, messages: list[MessageBase], tools: list[dict[str, Any]] | None = None,
                      params: SamplingParams | None = None,
                      tool_choice: ToolChoice | None = None) -> AsyncGenerator[StreamEvent, None]:
         """Raw completion text as it is decoded (markup included); the deltas join to exactly
@@ -267,7 +267,7 @@ class HFClient(HFAdmission, HFDecode, ModelClient):
         return list(await asyncio.gather(*(self._submit(r.messages, r.tools, r.params, r.tool_choice)
                                            for r in requests)))
 
-    async def generate_many(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+    async def generate_many(self, messages: list[MessageBase], tools: list[dict[str, Any]] | None = None,
                             params: SamplingParams | None = None, n: int = 1,
                             tool_choice: ToolChoice | None = None) -> list[Turn]:
         """``n`` samples for one prompt (OpenAI's ``n``), batched together. With a seed, sample

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from closedloop.messages import LogprobSpec, MediaRef, _Message
+from closedloop.messages import LogprobSpec, MediaRef, MessageBase
 from closedloop.models.base import SamplingParams, ToolChoice
 from closedloop.models.decode_batch import DecodeBatch
 
@@ -29,7 +29,7 @@ def safe_params(params: SamplingParams) -> SamplingParams:
     return params
 
 
-def _prompt_chars(messages: list[_Message]) -> int:
+def _prompt_chars(messages: list[MessageBase]) -> int:
     """About how much text the messages hold (content and tool-call arguments), without copying it."""
     total = 0
     for m in messages:
@@ -53,7 +53,7 @@ def hf_logprob_spec(params: SamplingParams) -> LogprobSpec:
 
 @dataclass
 class _Request:
-    messages: list[_Message]
+    messages: list[MessageBase]
     tools: list[dict[str, Any]] | None
     params: SamplingParams
     tool_choice: ToolChoice | None
