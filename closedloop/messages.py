@@ -126,7 +126,11 @@ class ToolCall(BaseModel):
 # --------------------------------------------------------------------------- messages
 
 
-class _Message(BaseModel):
+class MessageBase(BaseModel):
+    """What every chat message is (:class:`SystemMessage`, :class:`UserMessage`,
+    :class:`AssistantMessage`, :class:`ToolMessage`): annotate with it, or test ``isinstance``
+    against it. :data:`Message` is the same four as a pydantic discriminated union, for parsing."""
+
     model_config = ConfigDict(extra="forbid")
 
     if TYPE_CHECKING:
@@ -145,18 +149,18 @@ class _Message(BaseModel):
         return content_text(getattr(self, "content", None))
 
 
-class SystemMessage(_Message):
+class SystemMessage(MessageBase):
     role: Literal["system"] = "system"
     content: Content
 
 
-class UserMessage(_Message):
+class UserMessage(MessageBase):
     role: Literal["user"] = "user"
     content: Content
     name: str | None = None
 
 
-class AssistantMessage(_Message):
+class AssistantMessage(MessageBase):
     role: Literal["assistant"] = "assistant"
     content: Content | None = None
     tool_calls: list[ToolCall] | None = None
@@ -170,7 +174,7 @@ class AssistantMessage(_Message):
         return self
 
 
-class ToolMessage(_Message):
+class ToolMessage(MessageBase):
     role: Literal["tool"] = "tool"
     tool_call_id: str
     content: Content
@@ -184,17 +188,20 @@ class ToolMessage(_Message):
 
 Message = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
 
+#: The former private name of :class:`MessageBase`, kept so existing imports keep working.
+_Message = MessageBase
+
 
 class _MessageList(BaseModel):
     messages: list[Message]
 
 
-def parse_messages(raw: Sequence[dict[str, Any] | _Message]) -> list[_Message]:
+def parse_messages(raw: Sequence[dict[str, Any] | MessageBase]) -> list[MessageBase]:
     """Validate OpenAI-format message dicts (or messages) into typed messages."""
-    return list(_MessageList(messages=[m if isinstance(m, _Message) else m for m in raw]).messages)
+    return list(_MessageList(messages=[m if isinstance(m, MessageBase) else m for m in raw]).messages)
 
 
-def to_openai_messages(messages: Sequence[_Message]) -> list[dict[str, Any]]:
+def to_openai_messages(messages: Sequence[MessageBase]) -> list[dict[str, Any]]:
     return [m.to_openai() for m in messages]
 
 

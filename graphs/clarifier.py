@@ -41,7 +41,7 @@ from pydantic.json_schema import SkipJsonSchema
 from closedloop.agents.clarifier.belief import BeliefTracker, should_ask
 from closedloop.agents.clarifier.scorer import GoalScorer
 from closedloop.messages import AssistantMessage, SystemMessage, Turn, UserMessage, _Message
-from closedloop.models.base import ModelClient, SamplingParams
+from closedloop.models.base import ModelClient, Pausable, SamplingParams
 from closedloop.runtime.context import AgentContext, context_of
 from closedloop.runtime.convert import ai_message, as_closedloop, role_of
 from closedloop.runtime.nodes import add_tool_loop, model_node
@@ -109,7 +109,7 @@ def lent_scorer(client: ModelClient) -> GoalScorer:
         raise ValueError("the clarifier needs a scorer: pass scorer=GoalScorer.from_pretrained(path) "
                          "(only hf: clients can lend their own model)")
     if client not in _LENT:
-        with getattr(client, "paused", contextlib.nullcontext)():
+        with client.paused() if isinstance(client, Pausable) else contextlib.nullcontext():
             _LENT[client] = GoalScorer(client.model, client.tokenizer)  # type: ignore[attr-defined]
     return _LENT[client]
 

@@ -24,8 +24,6 @@ KNOWN_CYCLE_EDGES = {
     ("closedloop.tool", "closedloop.langchain_tools"),
     # tool → tool_models → models → plugins → tool.
     ("closedloop.tool", "closedloop.tool_models"),
-    # trainers.config → preflight → checkpoint → config (trainers rewrite).
-    ("closedloop.trainers.checkpoint", "closedloop.trainers.config"),
 }
 
 # Imports against the layers (core ← tools, memory ← agents ← graphs ← evals ← trainers; ui ← cli on top).

@@ -283,7 +283,7 @@ def save_checkpoint(output_dir: str | os.PathLike[str], state: TrainerState, *, 
         if scheduler is not None:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         if config is not None:  # credentials redacted: a checkpoint is copied and shared
-            from closedloop.trainers.config import redacted_config
+            from closedloop.trainers.redacted_config import redacted_config
 
             (tmp / "train_config.json").write_text(json.dumps(redacted_config(config), indent=2, default=str))
     _barrier(accelerator)

@@ -16,6 +16,7 @@ from typing import Any, Literal, Mapping, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from closedloop.trainers import preflight
+from closedloop.trainers.redacted_config import redacted_config
 
 __all__ = ["ConfigError", "LoraSettings", "TrainConfig", "SFTConfig", "StoreSelection", "load_config",
            "model_path", "REPORT_TO_CHOICES", "config_reference", "parse_store_spec", "check_dataset", "checking_paths", "dataset_usable",
@@ -200,18 +201,6 @@ class TrainConfig(_Strict):
     def model_path(self) -> str:
         """The checkpoint path or hub id with any ``hf:`` prefix removed."""
         return model_path(self.model)
-
-
-def redacted_config(config: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
-    """A config as JSON-able values with credentials redacted, by the run store's rules
-    (:mod:`closedloop.redact`: sensitive keys, URL userinfo, key shapes). Everything a trainer
-    writes outside the store goes through it: ``train_config.json`` of each checkpoint, the config
-    shown in TensorBoard, W&B and trackio. (A ``rollout_model`` of ``openai:m@http://user:key@host``
-    or an ``env_options`` holding an ``api_key`` would otherwise land there verbatim.)"""
-    from closedloop.redact import redact
-
-    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
-    return dict(redact(data))
 
 
 def model_path(spec: str) -> str:

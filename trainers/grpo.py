@@ -39,7 +39,7 @@ import torch
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from closedloop.evals.harness.executor import ExecutorConfig
-from closedloop.models.base import SamplingParams
+from closedloop.models.base import Pausable, SamplingParams
 from closedloop.trainers.config import TrainConfig, checking_paths
 from closedloop.trainers.constrained import ConstraintSet, CostConstraint
 from closedloop.trainers.grpo_batch import RewardSpec, RolloutBatch, build_batch, load_reward_fn
@@ -433,7 +433,7 @@ def _train(session: TrainingSession, config: GRPOConfig, make_env: EnvFactory,
 
     # The next batch's episodes may start during the update only where generation can be held
     # until the weights are updated (the live policy's client; see trainers/rollout_thread.py).
-    prefetch = config.prefetch_rollouts and not config.rollout_model and hasattr(client, "paused")  # not on Ray
+    prefetch = config.prefetch_rollouts and not config.rollout_model and isinstance(client, Pausable)  # not on Ray
     rollouts = RolloutThread()
     pending = None
     hold = contextlib.ExitStack()  # holds client.paused() from a prefetch until the update is done

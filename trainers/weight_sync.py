@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from closedloop.models.base import ModelClient
+from closedloop.models.base import LoadsWeights, ModelClient
 
 log = logging.getLogger("closedloop.trainers.weight_sync")
 
@@ -152,7 +152,7 @@ class InProcessSync:
 
     def __init__(self, client: ModelClient) -> None:
         self.client = client
-        self.kind = "vllm" if callable(getattr(client, "load_weights", None)) else "hf"
+        self.kind = "vllm" if isinstance(client, LoadsWeights) else "hf"
         if self.kind == "vllm" and getattr(client, "engine_model", lambda: None)() is None:
             raise NotImplementedError(
                 "this vLLM engine runs its model in another process, so the trainer cannot load weights into it; "

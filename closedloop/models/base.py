@@ -12,7 +12,7 @@ import asyncio
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, Literal, Union
+from typing import Any, AsyncGenerator, ContextManager, Iterable, Literal, Protocol, Union, runtime_checkable
 
 from pydantic import BaseModel, Field
 
@@ -111,3 +111,45 @@ class ModelClient(ABC):
 
     async def aclose(self) -> None:
         return None
+
+
+# --------------------------------------------------------------------------- capabilities
+# What some clients can do beyond ModelClient, declared as runtime-checkable Protocols: a caller
+# asks ``isinstance(client, Pausable)`` (and a type checker then knows the method's signature)
+# instead of probing for attribute names.
+
+
+@runtime_checkable
+class Pausable(Protocol):
+    """The model's weights live in this process: ``with client.paused():`` holds generation off
+    them while they change (an optimizer step, a weight load, a snapshot)."""
+
+    def paused(self) -> ContextManager[None]: ...
+
+
+@runtime_checkable
+class ReportsBatches(Protocol):
+    """The backend batches requests and keeps a record of it (``/health`` shows it)."""
+
+    def batch_stats(self) -> dict[str, Any] | None: ...
+
+
+@runtime_checkable
+class LoadsWeights(Protocol):
+    """The backend loads new weights in place (Hugging Face names to tensors)."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int: ...
+
+
+@runtime_checkable
+class LocalTokenizer(Protocol):
+    """Token ids are decoded here, with this tokenizer (``None`` where it could not be loaded)."""
+
+    tokenizer: Any
+
+
+@runtime_checkable
+class EndMarkers(Protocol):
+    """The texts of the model's own end-of-turn tokens (its chat template's, beside the usual ones)."""
+
+    _end_markers: tuple[str, ...]

@@ -39,8 +39,8 @@ from multiprocessing.connection import Connection
 from typing import Any, AsyncGenerator, Callable, Iterable
 
 from closedloop.messages import Turn, _Message
-from closedloop.models.base import (ModelClient, ModelError, ModelUnavailableError, SamplingParams, StreamEvent,
-                                    TextDelta, ToolChoice, TurnDone)
+from closedloop.models.base import (EndMarkers, ModelClient, ModelError, ModelUnavailableError, ReportsBatches,
+                                    SamplingParams, StreamEvent, TextDelta, ToolChoice, TurnDone)
 from closedloop.models.weights import load_weights_into
 
 log = logging.getLogger("closedloop.models.engine_process")
@@ -85,7 +85,7 @@ def _engine_main(conn: Connection, spec: str, kwargs: dict[str, Any], torch_thre
         return
     model = getattr(client, "model", None)
     info = {"name": getattr(client, "name", spec), "spec": getattr(client, "spec", spec),
-            "end_markers": list(getattr(client, "_end_markers", ()) or ()),
+            "end_markers": list((client._end_markers if isinstance(client, EndMarkers) else ()) or ()),
             "model_type": getattr(getattr(model, "config", None), "model_type", None),
             "max_batch_size": getattr(client, "max_batch_size", None)}
     conn.send(("ready", info))
@@ -146,8 +146,8 @@ class _EngineServer:
             if running is not None:
                 running.cancel()
         elif kind == "stats":
-            stats = getattr(self.client, "batch_stats", None)
-            self._send(("reply", msg[1], stats() if callable(stats) else None, None))
+            stats = self.client.batch_stats() if isinstance(self.client, ReportsBatches) else None
+            self._send(("reply", msg[1], stats, None))
         elif kind == "weights":
             asyncio.get_running_loop().create_task(self._load_weights(msg[1], msg[2]))
         elif kind == "close":  # what runs finishes first

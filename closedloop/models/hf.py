@@ -45,127 +45,39 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import inspect
 import itertools
 import json
-import logging
 import queue
-import secrets
 import threading
-import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncGenerator, Callable, Iterator
+from typing import Any, AsyncGenerator
 
-from closedloop.messages import LogprobSpec, MediaRef, Turn, Usage, _Message
+from closedloop.messages import MediaRef, Turn, MessageBase
 from closedloop.models.base import (ContextLengthExceededError, GenerateRequest, ModelClient, ModelError, SamplingParams,
-                                    StreamEvent,
-                                    TextDelta, ToolChoice, TurnDone)
-from closedloop.models.batching import settle, settle_many
+                                    StreamEvent, TextDelta, ToolChoice, TurnDone)
+from closedloop.models.chat_format import END_MARKERS, decode_ids, encode_prompt
 from closedloop.models.decode_batch import DecodeBatch
-from closedloop.models.prompt_cache import PromptCache, PromptState, weights_signature
-from closedloop.models.chat_format import END_MARKERS, decode_ids, encode_prompt, parse_completion
+from closedloop.models.hf_admission import HFAdmission
+from closedloop.models.hf_decode import HFDecode
+from closedloop.models.hf_requests import (MIN_TEMPERATURE, _prompt_chars, _Request, _Row, hf_logprob_spec,
+                                           safe_params)
 from closedloop.models.multimodal import require_text_only
+from closedloop.models.prompt_cache import PromptCache
 
-log = logging.getLogger("closedloop.models.hf")
+# Split by concern: the records and sampling settings (``hf_requests``), the queue, pause and
+# admission (``hf_admission``), the decode step (``hf_decode``); the client API is here.
+__all__ = ["HFClient", "MIN_TEMPERATURE", "hf_logprob_spec", "safe_params", "_Request", "_Row"]
 
-
-#: The smallest non-zero temperature sampled with (vLLM's ``_MAX_TEMP``); smaller ones are raised to it.
-MIN_TEMPERATURE = 1e-2
 #: Prompts whose text is at most this many characters are keyed for sharing one tokenisation.
 _SHARE_PROMPT_CHARS = 1 << 16
 #: Text prompts of at most this many characters are rendered on the caller's loop (see
 #: ``HFClient._encode_off_worker``); the last ``_RECENT_PROMPTS`` renderings are kept.
 _INLINE_PROMPT_CHARS = 1 << 13
 _RECENT_PROMPTS = 256
-#: A request waiting beside a running batch joins it after at most this many decode steps, or
-#: sooner once the waiting requests number at least 1/_ADMIT_WAITING_RATIO of the running rows (TGI
-#: has the same two knobs: max_waiting_tokens, waiting_served_ratio). Measured on the tiny model at 8
-#: and 32 in-process clients: 8 steps and a ratio of 2 gave 15-30% more requests/s than 2 and 8,
-#: because each admission costs a prefill pass, about as much as a decode step of the whole batch.
-#: Admitting prompt-cache hits at once instead (they cost no prefill pass) was no faster at 32
-#: clients over HTTP (593 vs 614 requests/s, medians of 4 interleaved runs): each admission still
-#: copies the batch's KV cache.
-_ADMIT_AFTER_STEPS = 8
-_ADMIT_WAITING_RATIO = 2
 
-
-def safe_params(params: SamplingParams) -> SamplingParams:
-    """``params`` as sampled: a temperature in ``(0, MIN_TEMPERATURE)`` raised to ``MIN_TEMPERATURE``
-    (as vLLM's ``SamplingParams``), so one request's 1e-300 cannot overflow the batch's logits."""
-    if 0 < params.temperature < MIN_TEMPERATURE:
-        log.info("temperature %g raised to %g (smaller values overflow the logits)", params.temperature,
-                 MIN_TEMPERATURE)
-        return params.model_copy(update={"temperature": MIN_TEMPERATURE})
-    return params
-
-
-def _prompt_chars(messages: list[_Message]) -> int:
-    """About how much text the messages hold (content and tool-call arguments), without copying it."""
-    total = 0
-    for m in messages:
-        content = getattr(m, "content", None)
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(str(getattr(p, "text", "") or "")) + 64 for p in content)
-        for call in getattr(m, "tool_calls", None) or []:
-            total += len(call.function.arguments or "") + len(call.function.name)
-    return total
-
-
-def hf_logprob_spec(params: SamplingParams) -> LogprobSpec:
-    """What ``hf:`` records for a request: tempered logprobs; greedy reads the plain softmax, so
-    greedy turns record ``temperature=1.0, top_p=1.0``."""
-    if params.temperature == 0:
-        return LogprobSpec(mode="tempered", temperature=1.0, top_p=1.0, backend="hf")
-    return LogprobSpec(mode="tempered", temperature=params.temperature, top_p=params.top_p, backend="hf")
-
-
-@dataclass
-class _Request:
-    messages: list[_Message]
-    tools: list[dict[str, Any]] | None
-    params: SamplingParams
-    tool_choice: ToolChoice | None
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-    on_delta: Callable[[str], None] | None = None
-    submitted: float = field(default_factory=time.perf_counter)
-    # Encoded before the request reaches the decode worker (on the tokenizer pool).
-    encoded: tuple[list[int], dict[str, Any] | None, list[MediaRef]] | None = None
-    max_new: int = 0
-    #: Set (on the caller's loop) when the caller gave up; the decode loop then drops the row.
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass
-class _Row:
-    """Decoding state of one request inside a batch."""
-
-    req: _Request
-    prompt_ids: list[int]
-    max_new: int
-    generator: Any
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    text: str = ""  # decoded so far (incrementally), for stop strings and streaming
-    prefix_offset: int = 0
-    read_offset: int = 0
-    finish: str | None = None
-    extras: dict[str, Any] | None = None  # model inputs beside the ids (a VLM's pixel_values ...)
-    media: list[MediaRef] = field(default_factory=list)
-    error: BaseException | None = None
-
-
-def _live_rows(batch: DecodeBatch) -> list[int]:
-    """Indices of the rows still decoding (finished ones may stay in the batch for a while)."""
-    return [i for i, r in enumerate(batch.rows) if r.finish is None]
-
-
-class HFClient(ModelClient):
+class HFClient(HFAdmission, HFDecode, ModelClient):
     """A transformers causal LM behind the :class:`ModelClient` interface.
 
     The model's train/eval mode is the caller's: the client does not switch it (see the module
@@ -286,7 +198,7 @@ class HFClient(ModelClient):
 
     # ------------------------------------------------------------------ prompts
 
-    def encode_prompt(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+    def encode_prompt(self, messages: list[MessageBase], tools: list[dict[str, Any]] | None = None,
                       tool_choice: ToolChoice | None = None) -> list[int]:
         """The exact prompt token ids the model will see (chat template, tools, generation prompt)."""
         return encode_prompt(self.tokenizer, messages, tools, tool_choice)
@@ -311,11 +223,11 @@ class HFClient(ModelClient):
 
     # ------------------------------------------------------------------ public API
 
-    async def generate(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+    async def generate(self, messages: list[MessageBase], tools: list[dict[str, Any]] | None = None,
                        params: SamplingParams | None = None, tool_choice: ToolChoice | None = None) -> Turn:
         return await self._submit(messages, tools, params, tool_choice)
 
-    async def stream(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+    async def stream(self, messages: list[MessageBase], tools: list[dict[str, Any]] | None = None,
                      params: SamplingParams | None = None,
                      tool_choice: ToolChoice | None = None) -> AsyncGenerator[StreamEvent, None]:
         """Raw completion text as it is decoded (markup included); the deltas join to exactly
@@ -355,7 +267,7 @@ class HFClient(ModelClient):
         return list(await asyncio.gather(*(self._submit(r.messages, r.tools, r.params, r.tool_choice)
                                            for r in requests)))
 
-    async def generate_many(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+    async def generate_many(self, messages: list[MessageBase], tools: list[dict[str, Any]] | None = None,
                             params: SamplingParams | None = None, n: int = 1,
                             tool_choice: ToolChoice | None = None) -> list[Turn]:
         """``n`` samples for one prompt (OpenAI's ``n``), batched together. With a seed, sample
@@ -376,54 +288,6 @@ class HFClient(ModelClient):
                 "mean_rows_per_step": self.decode_rows / self.decode_steps if self.decode_steps else 0.0,
                 "prompt_cache": self.prompt_cache.stats() if self.prompt_cache is not None else None}
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No generation runs on the model inside this block (hold it around an optimizer step).
-
-        Waits for the rows decoding now to finish (none joins them once a pause is waiting);
-        requests submitted inside the block run after it, on the updated weights. Re-entrant (a ``threading.RLock``). Do not await a generation
-        of this client inside the block: it cannot run until the block exits.
-        """
-        with self._pausing_lock:
-            self._pausing += 1
-        try:
-            with self.weights_lock:
-                # the weights may change in here, and not always visibly to version counters (``.data``)
-                self._clear_prompt_cache()
-                try:
-                    yield
-                finally:
-                    self._clear_prompt_cache()
-        finally:
-            with self._pausing_lock:
-                self._pausing -= 1
-                self._pausing_lock.notify_all()
-
-    def _clear_prompt_cache(self) -> None:
-        if self.prompt_cache is not None:
-            self.prompt_cache.clear()
-
-    def _acquire_unpaused(self) -> bool:
-        """Take ``weights_lock`` for a new batch, but never ahead of a waiting :meth:`paused`;
-        returns whether it had to wait.
-
-        ``threading`` locks are not fair: a worker that just released the lock could take it
-        again at once and start a new batch while a trainer waits; so it yields until no pause
-        is pending.
-        """
-        waited = False
-        while True:
-            acquired = self.weights_lock.acquire(blocking=False)
-            if not acquired:
-                waited = True
-                self.weights_lock.acquire()
-            if not self._pausing:
-                return waited
-            waited = True
-            self.weights_lock.release()
-            with self._pausing_lock:
-                self._pausing_lock.wait_for(lambda: not self._pausing)
-
     async def aclose(self) -> None:
         """Let queued and running requests finish, then stop the worker."""
         worker = self._worker
@@ -433,7 +297,7 @@ class HFClient(ModelClient):
         self._worker = None
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    # ------------------------------------------------------------------ queue and worker
+    # ------------------------------------------------------------------ prompts off the worker
 
     async def _encode_off_worker(self, req: _Request) -> tuple[list[int], dict[str, Any] | None, list[MediaRef]]:
         """``_encode_request(req)`` never on the decode worker: short text prompts on the caller's
@@ -499,339 +363,3 @@ class HFClient(ModelClient):
         fut.add_done_callback(lambda f: self._mark_cancelled(req) if f.cancelled() else None)
         self._put(req)
         return await fut
-
-    def _mark_cancelled(self, req: _Request) -> None:
-        req.cancelled.set()
-        # after the flag: a worker that sees the new stamp also sees the flag (each stamp is unique,
-        # so no assignment, in whatever order threads make them, can equal the one last seen)
-        self._cancel_stamp = next(self._cancel_ticks)
-
-    @staticmethod
-    def _resolve(req: _Request, result: Turn | None = None, error: BaseException | None = None) -> None:
-        settle(req.loop, req.future, result, error)
-
-    # ------------------------------------------------------------------ continuous batching
-
-    def _put(self, req: _Request) -> None:
-        self._queue.put(req)
-        with self._worker_lock:
-            if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(target=self._work, name="closedloop-hf-decoder", daemon=True)
-                self._worker.start()
-
-    def _gather(self, first: _Request, room: int) -> tuple[list[_Request], bool]:
-        """``first`` plus what arrives within ``batch_wait_ms`` (up to ``room`` requests): requests
-        sent together (a GRPO group) start together. Also returns whether the stop sentinel came."""
-        more, stop = self._take(room - 1, time.perf_counter() + self.batch_wait_s)
-        return [first, *more], stop
-
-    def _drain(self, room: int) -> tuple[list[_Request], bool]:
-        """What is queued now (up to ``room`` requests), without waiting."""
-        return self._take(room, None)
-
-    def _take(self, room: int, deadline: float | None) -> tuple[list[_Request], bool]:
-        """Up to ``room`` queued requests, waiting until ``deadline`` (``None``: not at all; with
-        ``batch_gap_s``, no longer than that between arrivals), and whether the stop sentinel came."""
-        batch: list[_Request] = []
-        while len(batch) < room:
-            remaining = 0.0 if deadline is None else deadline - time.perf_counter()
-            if self.batch_gap_s is not None:
-                remaining = min(remaining, self.batch_gap_s)
-            try:
-                item = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                return batch, True
-            batch.append(item)
-        return batch, False
-
-    def _work(self) -> None:
-        """The decode worker: admit queued requests into the running batch between steps, decode
-        one token for every row, hand each finished row to its caller at once.
-
-        ``weights_lock`` is held from the first admitted row until the batch is empty, so no row
-        ever decodes across a weight update; while someone waits in :meth:`paused`, no new row is
-        admitted and the running ones drain.
-
-        Prefill and decode run under ``torch.inference_mode`` rather than ``no_grad``: no tensor
-        made here (KV cache, logits, masks) ever meets autograd, and skipping version counters and
-        view tracking made 32-client decoding of the tiny model about 15% faster (measured). Only
-        token ids and float logprobs leave the worker, so a trainer's later backward never sees them.
-        """
-        import torch
-
-        active: DecodeBatch | None = None
-        holding = stopping = False
-        first_wait: int | None = None  # the decode step at which a queued request was first seen
-        try:
-            while True:
-                if active is None:
-                    if holding:
-                        self.weights_lock.release()
-                        holding = False
-                    if stopping:
-                        return
-                    first = self._queue.get()
-                    if first is None:
-                        return
-                    reqs, stopping = self._gather(first, self.max_batch_size)
-                    if self._acquire_unpaused() and not stopping:
-                        # what queued up during a pause (a trainer's next rollout) starts as one batch
-                        more, stopping = self._drain(self.max_batch_size - len(reqs))
-                        reqs += more
-                    holding = True
-                    with torch.inference_mode():
-                        active = self._admit(reqs, None)
-                elif not stopping and not self._pausing and active.mergeable() \
-                        and (running := len(_live_rows(active))) < self.max_batch_size:
-                    waiting = self._queue.qsize()
-                    if waiting and first_wait is None:
-                        first_wait = self.decode_steps
-                    # Each admission costs a prefill pass, about one decode step: a busy batch lets
-                    # newcomers gather for up to _ADMIT_AFTER_STEPS steps (or until enough wait).
-                    if waiting and (waiting >= max(1, running // _ADMIT_WAITING_RATIO)
-                                    or self.decode_steps - (first_wait or 0) >= _ADMIT_AFTER_STEPS):
-                        first_wait = None
-                        reqs, stopping = self._drain(self.max_batch_size - running)
-                        if reqs:
-                            with torch.inference_mode():
-                                active = self._admit(reqs, active)
-                if active is not None:
-                    with torch.inference_mode():
-                        active = self._step(active)
-        finally:
-            if holding:
-                self.weights_lock.release()
-
-    def _admit(self, reqs: list[_Request], active: DecodeBatch | None) -> DecodeBatch | None:
-        """Prefill the requests still wanted and join them to ``active`` (or start a batch)."""
-        import torch
-
-        rows: list[_Row] = []
-        for req in reqs:
-            if req.future.cancelled() or req.cancelled.is_set():
-                continue
-            try:
-                assert req.encoded is not None, "requests are encoded before they are queued"
-                prompt, extras, media = req.encoded
-                seed = req.params.seed if req.params.seed is not None else secrets.randbits(63)
-                # torch takes seeds in [-2**63, 2**64); a negative one as its 64-bit two's complement
-                generator = torch.Generator().manual_seed(seed % (1 << 64))
-                rows.append(_Row(req, list(prompt), req.max_new, generator, extras=extras, media=media))
-            except Exception as e:  # a bad request fails alone, not its batch-mates
-                self._resolve(req, error=e)
-        if not rows:
-            return active
-        self.batch_sizes.append(len(rows))
-        if getattr(self.model, "training", False) and not self._warned_training:
-            self._warned_training = True  # the caller's choice (see the module docstring); said once
-            log.warning("%s: generating while the model is in train mode: dropout, if the model has any, "
-                        "is active in sampling and in the recorded logprobs", self.spec)
-        try:
-            fresh = self._prefill(rows, next(self.model.parameters()).device)
-            if active is None:
-                return fresh
-            live = _live_rows(active)
-            if len(live) < len(active):
-                active.keep(live)  # finished rows leave before the copy a merge makes anyway
-            active.merge(fresh)
-            return active
-        except Exception as e:  # the newcomers fail; rows already decoding go on
-            for row in rows:
-                self._resolve(row.req, error=ModelError(f"generation failed: {type(e).__name__}: {e}"))
-            return active
-
-    def _prefill(self, rows: list[_Row], device: Any) -> DecodeBatch:
-        """A batch of ``rows`` ready to sample: a prefill pass over the prompts the prompt cache does
-        not hold (each distinct prompt once), the others from their cached states."""
-        cache = self.prompt_cache
-        if cache is None or getattr(self.model, "training", False):
-            return DecodeBatch.prefill(self.model, rows, pad=self._pad_id, cache_kw=self._cache_kw, device=device,
-                                       extra_inputs=self._prefill_inputs(rows, device))
-        cache.validate(weights_signature(self.model))
-        misses: list[_Row] = []
-        first_miss: dict[tuple[int, ...], int] = {}  # prompt -> its row among the misses
-        reused: list[tuple[_Row, tuple[int, ...], PromptState | None]] = []  # None: the state comes from this prefill
-        for row in rows:
-            if row.extras is not None or row.media:  # the state depends on more than the token ids
-                misses.append(row)
-                continue
-            key = tuple(row.prompt_ids)
-            if key in first_miss:
-                cache.count_reuse()
-                reused.append((row, key, None))
-            elif (state := cache.get(key)) is not None:
-                reused.append((row, key, state))
-            else:
-                first_miss[key] = len(misses)
-                misses.append(row)
-        batch = None
-        if misses:
-            batch = DecodeBatch.prefill(self.model, misses, pad=self._pad_id, cache_kw=self._cache_kw, device=device,
-                                        extra_inputs=self._prefill_inputs(misses, device))
-            new = {key: batch.row_state(i) for key, i in first_miss.items()}
-            for key, state in new.items():
-                cache.put(key, state)
-        if reused:
-            states = [state if state is not None else new[key] for _, key, state in reused]
-            joined = DecodeBatch.from_states(self.model, [row for row, _, _ in reused], states, device=device)
-            if batch is None:
-                return joined
-            batch.merge(joined)
-        assert batch is not None
-        return batch
-
-    def _step(self, batch: DecodeBatch) -> DecodeBatch | None:
-        """Draw one token for every row, finish the rows that ended, feed the rest one step."""
-        import torch
-
-        try:
-            gone: list[int] = []
-            if self._cancel_stamp != self._cancel_seen:
-                self._cancel_seen = self._cancel_stamp
-                gone = [i for i, r in enumerate(batch.rows) if r.finish is None and r.req.cancelled.is_set()]
-            if gone:  # callers that went away: their rows leave the batch (and its KV cache) now
-                self.cancelled_rows += len(gone)
-                batch.keep([i for i in range(len(batch)) if i not in set(gone)])
-                if not len(batch):
-                    return None
-            tokens, ended = self._sample(batch)
-            if ended:
-                settle_many([self._outcome(batch.rows[i]) for i in ended])
-            live = _live_rows(batch)
-            if not live:
-                return None
-            # A finished row stays in the batch (decoding into nothing) until a quarter of the batch
-            # is finished or rows join: each cut copies the whole KV cache, about a decode step.
-            if len(live) < len(batch) and (4 * (len(batch) - len(live)) >= len(batch) or not batch.mergeable()):
-                batch.keep(live)
-                tokens = tokens[torch.tensor(live, dtype=torch.long)]
-            self.decode_steps += 1
-            self.decode_rows += len(live)
-            batch.forward(self.model, tokens, self._cache_kw, mask_4d=self._step_mask_4d)
-            return batch
-        except Exception as e:
-            for row in batch.rows:
-                self._resolve(row.req, error=ModelError(f"generation failed: {type(e).__name__}: {e}"))
-            return None
-
-    def _sample(self, batch: DecodeBatch) -> tuple[Any, list[int]]:
-        """One token per row from ``batch.last``; returns the tokens and the rows that ended.
-
-        Vectorised over the batch (one tempered ``log_softmax``, one top-p mask, one inverse-CDF
-        draw); the randomness stays per row: row ``i``'s ``t``-th token reads its own ``t``-th
-        uniform, so a seeded request samples the same alone or beside others. Text is decoded per
-        token only for rows that stream or have stop strings; the others are decoded once, at the end.
-        """
-        import torch
-
-        logits = batch.last.float().cpu()
-        logp = torch.log_softmax(logits / batch.temps, dim=-1)
-        broken = torch.isnan(logp).any(-1)
-        if bool(broken.any()):  # a row whose logits are not finite fails alone; its batch-mates go on
-            logp = torch.where(broken[:, None], torch.zeros_like(logp), logp)
-        if bool(batch.greedy.all()):
-            tokens = logits.argmax(-1)
-        else:
-            col = batch.step.clamp(max=batch.uniforms.shape[1] - 1)[:, None]
-            top_p = batch.top_p if bool((batch.top_p < 1.0).any()) else None
-            tokens = self._draw(logp, top_p, batch.uniforms.gather(1, col)[:, 0])
-            if bool(batch.greedy.any()):
-                tokens = torch.where(batch.greedy, logits.argmax(-1), tokens)
-        chosen = logp.gather(1, tokens[:, None])[:, 0]
-        batch.step += 1
-        ended: list[int] = []
-        for i, (r, token, lp, bad) in enumerate(zip(batch.rows, tokens.tolist(), chosen.tolist(), broken.tolist())):
-            if r.finish is not None:  # finished at an earlier step, not yet cut out of the batch
-                continue
-            if bad:
-                r.error = ModelError(f"the model produced non-finite logits at step {len(r.ids)} of this request")
-                r.finish = "error"
-                ended.append(i)
-                continue
-            r.ids.append(token)
-            r.logprobs.append(lp)
-            if token in self._eos_ids:
-                r.finish = "stop"
-            elif (r.req.on_delta is not None or r.req.params.stop) and self._text_step(r):
-                r.finish = "stop"
-            elif len(r.ids) >= r.max_new:
-                r.finish = "length"
-            else:
-                continue
-            ended.append(i)
-        return tokens, ended
-
-    def _outcome(self, row: _Row) -> tuple[asyncio.AbstractEventLoop, asyncio.Future, Turn | None,
-                                           BaseException | None]:
-        """What to settle the row's future with: its turn, or the error that ended it."""
-        if row.error is not None:
-            return row.req.loop, row.req.future, None, row.error
-        try:
-            return row.req.loop, row.req.future, self._finish_turn(row), None
-        except Exception as e:
-            return row.req.loop, row.req.future, None, e
-
-    @staticmethod
-    def _draw(logp, top_p, u):
-        """One token per row from ``exp(logp)`` (optionally top-p truncated) by inverse CDF at the
-        row's uniform ``u`` (float64 cumulative sums; a zero-probability token is never chosen)."""
-        import torch
-
-        probs = logp.exp().double()
-        if top_p is not None:
-            sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-            keep = (torch.cumsum(sorted_p, -1) - sorted_p) < top_p.double()  # smallest set reaching top_p
-            keep[:, 0] = True  # the most likely token always stays (as vLLM): a tiny top_p is greedy
-            probs = torch.zeros_like(probs).scatter_(1, order, sorted_p * keep)
-        cdf = torch.cumsum(probs, -1)
-        x = u[:, None] * cdf[:, -1:]
-        tokens = torch.searchsorted(cdf, x, right=True)[:, 0]
-        over = tokens >= probs.shape[-1]
-        if bool(over.any()):  # u * total rounded up to the total: the last token that can be drawn
-            last = (probs > 0).long().cumsum(-1).argmax(-1)
-            tokens = torch.where(over, last, tokens)
-        return tokens
-
-    def _text_step(self, r: _Row) -> bool:
-        """Streaming / stop strings for one row after it drew a (non-end) token: emit the new
-        complete text; True when a stop string has appeared."""
-        delta = self._advance_text(r)
-        if delta and r.req.on_delta is not None:
-            r.req.on_delta(delta)
-        p = r.req.params
-        if p.stop and delta:
-            window = r.text[-(max(len(s) for s in p.stop) + len(delta)):]
-            return any(s in window for s in p.stop)
-        return False
-
-    def _advance_text(self, r: _Row) -> str:
-        """Incremental detokenisation (as in TGI/vLLM): only text that is complete, never half of
-        a multi-byte character, so deltas concatenate to the full decode."""
-        prefix = self.decode(r.ids[r.prefix_offset:r.read_offset])
-        full = self.decode(r.ids[r.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix):]
-            r.prefix_offset, r.read_offset = r.read_offset, len(r.ids)
-            r.text += delta
-            return delta
-        return ""
-
-    def _finish_turn(self, r: _Row) -> Turn:
-        text = self.decode(r.ids)
-        content_text = text
-        if r.finish == "stop" and r.req.params.stop and r.ids[-1] not in self._eos_ids:
-            cut = min((i for i in (text.find(s) for s in r.req.params.stop) if i != -1), default=-1)
-            if cut != -1:
-                content_text = text[:cut]  # OpenAI semantics: the stop string is not part of the reply
-        message = parse_completion(content_text, end_markers=self._end_markers)
-        finish = r.finish or "length"
-        if message.tool_calls and finish == "stop":
-            finish = "tool_calls"
-        return Turn(message=message, model=self.name, prompt_ids=list(r.prompt_ids), completion_ids=list(r.ids),
-                    logprobs=list(r.logprobs), loss_mask=[0] * len(r.prompt_ids) + [1] * len(r.ids),
-                    logprob_spec=hf_logprob_spec(r.req.params), completion_text=text, finish_reason=finish,
-                    media=list(r.media),
-                    usage=Usage(prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.ids)),
-                    latency_s=time.perf_counter() - r.req.submitted)

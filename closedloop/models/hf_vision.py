@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from closedloop.messages import MediaRef, _Message
+from closedloop.messages import MediaRef, MessageBase
 from closedloop.models.base import ModelError, ToolChoice
 from closedloop.models.chat_format import encode_rendered, select_tools
 from closedloop.models.hf import HFClient, _Request, _Row
@@ -80,7 +80,7 @@ class HFVisionClient(HFClient):
 
     # ------------------------------------------------------------------ the two hooks
 
-    def encode_multimodal(self, messages: list[_Message], tools: list[dict[str, Any]] | None = None,
+    def encode_multimodal(self, messages: list[MessageBase], tools: list[dict[str, Any]] | None = None,
                           tool_choice: ToolChoice | None = None) -> tuple[list[int], dict[str, Any] | None]:
         """Prompt ids (image placeholders expanded) and the processor's other tensors."""
         rendered, images, audio = render_for_processor(messages)

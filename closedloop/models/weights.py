@@ -18,6 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from closedloop.models.base import LoadsWeights, Pausable
+
 
 class WeightsError(ValueError):
     """The directory cannot be loaded into the served model (the caller's mistake: a 4xx)."""
@@ -126,11 +128,10 @@ def load_weights_into(client: Any, state: dict[str, Any]) -> int:
     ``vllm:`` clients load through :meth:`VLLMClient.load_weights` (TRL's colocate path);
     ``hf:`` clients by an in-place copy; anything else raises :class:`UnsupportedBackend`.
     """
-    loader = getattr(client, "load_weights", None)
-    if callable(loader):
-        return int(loader(state.items()))
+    if isinstance(client, LoadsWeights):
+        return int(client.load_weights(state.items()))
     model = getattr(client, "model", None)
-    if model is not None and callable(getattr(model, "state_dict", None)) and callable(getattr(client, "paused", None)):
+    if model is not None and callable(getattr(model, "state_dict", None)) and isinstance(client, Pausable):
         return load_into_hf(client, state)
     raise UnsupportedBackend(f"the served backend ({getattr(client, 'spec', type(client).__name__)}) has no local "
                              "weights to replace; weight updates need an hf: or vllm: model")

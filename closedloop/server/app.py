@@ -79,16 +79,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
-import gc
 import json
 import logging
-import math
 import os
-import re
 import time
-import traceback
 import uuid
 from typing import Any, AsyncIterator
 
@@ -96,18 +90,18 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
-from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
-from closedloop.messages import AssistantMessage, Turn, _Message, content_text
+from closedloop.messages import AssistantMessage, MessageBase, Turn, content_text
 from closedloop.models.chat_format import END_MARKERS, THINK_OPEN, TOOL_CALL_OPEN
-from closedloop.models.base import (ContextLengthExceededError, ModelClient, ModelError, ModelUnavailableError, SamplingParams,
+from closedloop.models.base import (EndMarkers, LocalTokenizer, ModelClient, ModelError, ReportsBatches, SamplingParams,
                                     TextDelta, TurnDone)
+from closedloop.server.api_error import APIError, log_failure, model_failure, validation_error
+from closedloop.server.request_body import parse_json, read_body, release_memory
 from closedloop.server.schemas import (ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs,
-                                       CompletionTokensDetails, ConversationError, DiscardedAttempt, ErrorBody,
-                                       ErrorResponse, LoadWeightsRequest, ModelCard, ModelList, ResponseFunctionCall,
-                                       ResponseMessage, ResponseToolCall, TokenLogprob, UsageInfo, WeightsStatus)
+                                       CompletionTokensDetails, ConversationError, DiscardedAttempt, LoadWeightsRequest,
+                                       ModelCard, ModelList, ResponseFunctionCall, ResponseMessage, ResponseToolCall,
+                                       TokenLogprob, UsageInfo, WeightsStatus)
 from closedloop.server.stream_text import VisibleText
 from closedloop.redact import redact_spec
 
@@ -122,78 +116,10 @@ _BIG_DELTA = 64 * 1024
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_TOKENS_CAP = 32768
-#: Deepest JSON nesting a request may have (OpenAI bodies need a handful; tool schemas a few more).
-MAX_JSON_DEPTH = 64
 #: Bodies at least this large are parsed on a thread, not on the event loop.
 _BIG_BODY = 1 << 20
-#: After a request at least this large, freed memory is handed back to the OS (see _release_memory).
+#: After a request at least this large, freed memory is handed back to the OS (see release_memory).
 _RELEASE_BODY = 256 * 1024
-# As \uD800-\uDFFF escapes, or as raw bytes (json.loads decodes bytes with "surrogatepass").
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
-
-
-class APIError(Exception):
-    """An error the client sees as OpenAI's ``{"error": {...}}`` body."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        # A message may quote the caller's input; what cannot be encoded (lone surrogates) is escaped.
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-        param = param.encode("utf-8", "backslashreplace").decode("utf-8") if param else param
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def response(self) -> JSONResponse:
-        body = ErrorResponse(error=ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status)
-
-
-_UNION_LABELS = {"system", "user", "assistant", "tool", "str", "text", "image_url", "input_audio"}
-
-
-def _validation_error(e: ValidationError, prefix: str = "") -> APIError:
-    """The first problem as OpenAI reports it: a dotted ``param`` path and a message naming it.
-
-    Pydantic's location includes union-member labels (``user``, ``str``); they mean nothing to the
-    caller and are left out of the path.
-    """
-    def path(err: ErrorDetails) -> str:
-        parts = [str(p) for p in err.get("loc", ())
-                 if not (isinstance(p, str) and (p in _UNION_LABELS or "[" in p))]
-        if prefix and parts[:1] == [prefix]:
-            parts = parts[1:]
-        return ".".join([prefix] + parts if prefix else parts)
-
-    errors = e.errors()
-    param = path(errors[0]) or None
-    # A union field fails once per member; show a few so "not a string" is not the only hint.
-    details = "; ".join(dict.fromkeys(f"{path(err) or 'body'}: {err.get('msg', 'invalid value')}"
-                                      for err in errors[:3]))
-    return APIError(400, details, param=param, code="invalid_value")
-
-
-def _log_failure(what: str, e: BaseException) -> None:
-    """The traceback to the server's log, credentials redacted (an upstream ``openai:`` spec's key
-    is in the message of every error its client raises); paths stay, for the operator."""
-    trace = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    log.error("%s\n%s", what, redact_spec(trace))
-
-
-def _model_failure(e: Exception, public: Any = str) -> APIError:
-    """Map a backend exception: bad input the backend caught is the caller's (400), a dead
-    backend is 503, anything else is ours (500). The traceback goes to the log, not the wire;
-    the message goes through ``public`` (:meth:`_Server.public`: no model path, no credential)."""
-    if isinstance(e, ModelUnavailableError):
-        return APIError(503, public(f"model unavailable: {e}"), type="server_error", code="model_unavailable")
-    if isinstance(e, ValueError):
-        return APIError(400, public(str(e)), code="invalid_value")
-    if isinstance(e, ContextLengthExceededError):
-        # Like OpenAI: an over-long prompt is the caller's fault, with its own code.
-        return APIError(400, public(str(e)), param="messages", code="context_length_exceeded")
-    _log_failure("model call failed", e)
-    kind = "model error" if isinstance(e, ModelError) else "internal error"
-    return APIError(500, public(f"{kind}: {type(e).__name__}: {e}"), type="server_error", code="model_error")
 
 
 # --------------------------------------------------------------------------- conversions
@@ -204,94 +130,6 @@ def _finish_reason(turn: Turn) -> str:
     if turn.finish_reason == "length":
         return "length"
     return "tool_calls" if turn.message.tool_calls else "stop"
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _check_json(body: Any, raw: bytes) -> None:
-    """Raise :class:`APIError` 400 for what ``json.loads`` accepts but a request must not hold:
-    nesting deeper than :data:`MAX_JSON_DEPTH`, lone UTF-16 surrogates (they cannot be encoded, so
-    they would fail deep inside a backend), non-finite numbers (``1e400`` parses to infinity)."""
-    check_strings = _SURROGATE_ESCAPE.search(raw) is not None  # neither escapes nor bytes: no surrogate anywhere
-    stack: list[tuple[Any, int, str]] = [(body, 1, "")]
-    while stack:
-        value, depth, path = stack.pop()
-        if isinstance(value, (dict, list)):
-            if depth > MAX_JSON_DEPTH:
-                raise APIError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep "
-                                    f"(at {path or 'top'})", param=path or None, code="invalid_json")
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for k, v in items:
-                if check_strings and isinstance(k, str) and _SURROGATE.search(k):
-                    raise APIError(400, f"a key at {path or 'top'} holds a lone UTF-16 surrogate, which is not "
-                                        "valid Unicode", param=path or None, code="invalid_value")
-                if isinstance(v, (dict, list, str, float)):
-                    stack.append((v, depth + 1, f"{path}.{k}" if path else str(k)))
-        elif isinstance(value, str):
-            if check_strings and _SURROGATE.search(value):
-                raise APIError(400, f"{path or 'body'} holds a lone UTF-16 surrogate, which is not valid Unicode",
-                               param=path or None, code="invalid_value")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise APIError(400, f"{path or 'body'} is a number out of range", param=path or None, code="invalid_value")
-
-
-def _parse_json(raw: bytes) -> Any:
-    """The body as JSON; every way it can be malformed is an :class:`APIError` 400."""
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"request body is not valid UTF-8: {e}", code="invalid_json") from None
-    except RecursionError:
-        raise APIError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep",
-                       code="invalid_json") from None
-    except ValueError as e:  # JSONDecodeError, NaN/Infinity, an integer of more than 4300 digits
-        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-    _check_json(body, raw)
-    return body
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
-    def too_large(size: str) -> APIError:
-        return APIError(413, f"request body is {size}; this server accepts at most {limit} bytes "
-                             "(closedloop serve --max-request-bytes)", code="request_too_large")
-
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-        raise too_large(f"{int(declared)} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large(f"over {limit} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:  # gone, or closed by the body read timeout (closedloop.server.connections)
-        raise APIError(408, "the request body did not arrive whole", code="request_timeout") from None
-    return b"".join(chunks)
-
-
-def _release_memory() -> None:
-    """Give freed heap back to the OS after a large request: collect the reference cycles that an
-    error's traceback makes around a big prompt's token list, then ``malloc_trim`` (glibc keeps freed
-    heap otherwise, which looks like a leak of hundreds of MB per big body). Without ``malloc_trim``
-    (not glibc) only the collection runs."""
-    global _malloc_trim
-    gc.collect()
-    if _malloc_trim is None:
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _malloc_trim = libc.malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim: Any = None
 
 
 def _offered_only(client: ModelClient, turn: Turn, offered: set[str], stops: list[str] | None) -> Turn:
@@ -308,7 +146,7 @@ def _offered_only(client: ModelClient, turn: Turn, offered: set[str], stops: lis
             cut = min((i for i in (text.find(s) for s in stops) if i != -1), default=-1)
             if cut != -1:
                 text = text[:cut]
-        markers = getattr(client, "_end_markers", None) or END_MARKERS
+        markers = (client._end_markers if isinstance(client, EndMarkers) else None) or END_MARKERS
         message = parse_completion(text, end_markers=tuple(markers), tool_names=offered)
     else:  # no raw text (a remote backend): write the unoffered calls back as the Hermes text
         kept = [c for c in calls if c.function.name in offered]
@@ -324,7 +162,7 @@ def _offered_only(client: ModelClient, turn: Turn, offered: set[str], stops: lis
 
 def _decode_tokens(client: ModelClient, ids: list[int]) -> list[str]:
     """Each token's text, for logprobs. Without a tokenizer, vLLM's ``token_id:N`` convention."""
-    tok = getattr(client, "tokenizer", None)
+    tok = client.tokenizer if isinstance(client, LocalTokenizer) else None
     if tok is not None:
         try:
             if hasattr(tok, "batch_decode"):
@@ -425,7 +263,7 @@ class _Server:
         return redact_spec(text) or ""
 
     def failure(self, e: Exception) -> APIError:
-        return _model_failure(e, self.public)
+        return model_failure(e, self.public)
 
     # ----------------------------------------------------------------- admin: weights
 
@@ -438,11 +276,11 @@ class _Server:
             raise APIError(403, "weight updates are disabled on this server; start it with --allow-weight-updates "
                                 "(an admin endpoint for a trainer on the same machine)", type="permission_error",
                            code="weight_updates_disabled")
-        body = _parse_json(await _read_body(request, self.max_request_bytes))
+        body = parse_json(await read_body(request, self.max_request_bytes))
         try:
             req = LoadWeightsRequest.model_validate(body)
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise validation_error(e) from None
         async with self._weights_lock:  # one load at a time; generation waits only for the copy itself
             t0 = time.perf_counter()
 
@@ -457,7 +295,7 @@ class _Server:
             except UnsupportedBackend as e:
                 raise APIError(501, self.public(str(e)), type="server_error", code="unsupported_backend") from None
             except Exception as e:  # noqa: BLE001 - the model may be half-loaded: say so loudly
-                _log_failure("weight load failed", e)
+                log_failure("weight load failed", e)
                 raise APIError(500, self.public(f"weight load failed: {type(e).__name__}: {e}"), type="server_error",
                                code="weight_load_failed") from None
             self.weights = self.weights.model_copy(update={
@@ -467,20 +305,20 @@ class _Server:
 
     # ----------------------------------------------------------------- request parsing
 
-    async def parse(self, request: Request) -> tuple[ChatCompletionRequest, list[_Message]]:
-        raw = await _read_body(request, self.max_request_bytes)
+    async def parse(self, request: Request) -> tuple[ChatCompletionRequest, list[MessageBase]]:
+        raw = await read_body(request, self.max_request_bytes)
         if len(raw) >= _BIG_BODY:  # parsing megabytes would stall every other request on this loop
             return await asyncio.to_thread(self._parse_raw, raw)
         return self._parse_raw(raw)
 
-    def _parse_raw(self, raw: bytes) -> tuple[ChatCompletionRequest, list[_Message]]:
-        body = _parse_json(raw)
+    def _parse_raw(self, raw: bytes) -> tuple[ChatCompletionRequest, list[MessageBase]]:
+        body = parse_json(raw)
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object", code="invalid_json")
         try:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise validation_error(e) from None
         asked = req.max_new_tokens
         if asked is not None and asked > self.max_tokens_cap:
             which = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -493,7 +331,7 @@ class _Server:
         try:
             messages = req.typed_messages()
         except ValidationError as e:
-            raise _validation_error(e, "messages") from None
+            raise validation_error(e, "messages") from None
         except ConversationError as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
         return req, messages
@@ -531,7 +369,7 @@ class _Server:
         names = {t["function"]["name"] for t in tools or []}
         return _offered_only(self.client, turn, names, params.stop)
 
-    async def one(self, messages: list[_Message], tools, choice, params: SamplingParams) -> tuple[Turn, list[Turn]]:
+    async def one(self, messages: list[MessageBase], tools, choice, params: SamplingParams) -> tuple[Turn, list[Turn]]:
         """The reply for one choice, and the replies discarded on the way (re-asks), oldest first."""
         turn = self.offered(await self.client.generate(messages, tools, params, choice), tools, params)
         discarded: list[Turn] = []
@@ -542,7 +380,7 @@ class _Server:
             turn = self.offered(await self.client.generate(messages, tools, params, choice), tools, params)
         return turn, discarded
 
-    async def complete(self, req: ChatCompletionRequest, messages: list[_Message]) -> ChatCompletion:
+    async def complete(self, req: ChatCompletionRequest, messages: list[MessageBase]) -> ChatCompletion:
         tools, choice = self.tools_for(req)
         try:
             results = await asyncio.gather(*(self.one(messages, tools, choice, self.sampling(req, i))
@@ -567,7 +405,7 @@ class _Server:
                               choices=choices, usage=_usage(turns, thrown),
                               prompt_token_ids=list(prompt_ids) if prompt_ids is not None else None)
 
-    async def stream(self, req: ChatCompletionRequest, messages: list[_Message]) -> AsyncIterator[str]:
+    async def stream(self, req: ChatCompletionRequest, messages: list[MessageBase]) -> AsyncIterator[str]:
         """SSE lines. Each choice runs as its own task; their events interleave as they come."""
         tools, choice = self.tools_for(req)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -706,15 +544,14 @@ def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int 
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        _log_failure("unhandled error", exc)
+        log_failure("unhandled error", exc)
         return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         # The micro-batcher's record (when the backend keeps one) shows whether requests batched.
-        stats = getattr(client, "batch_stats", None)
         # Off the event loop: an engine process answers over its pipe.
-        batches = {"batches": await asyncio.to_thread(stats)} if callable(stats) else {}
+        batches = {"batches": await asyncio.to_thread(client.batch_stats)} if isinstance(client, ReportsBatches) else {}
         return {"status": "ok", "disconnected": server.disconnected, **batches}
 
     @app.get("/v1/models")
@@ -731,10 +568,10 @@ def create_app(client: ModelClient, model_name: str, *, default_max_tokens: int 
     async def chat_completions(request: Request):
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) >= _RELEASE_BODY:
-            try:  # hand the heap a big body and its tokens used back to the OS (see _release_memory)
+            try:  # hand the heap a big body and its tokens used back to the OS (see release_memory)
                 return await answer(request)
             finally:
-                await asyncio.to_thread(_release_memory)
+                await asyncio.to_thread(release_memory)
         return await answer(request)
 
     async def answer(request: Request):

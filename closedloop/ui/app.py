@@ -146,18 +146,7 @@ def create_app(settings: UISettings | None = None) -> FastAPI:
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.allowed_hosts)
     static = resources.files("closedloop.ui") / "static"
 
-    @app.middleware("http")
-    async def security_headers(request: Request, call_next: Any) -> Response:
-        started = time.perf_counter()
-        response = await call_next(request)
-        # what the page cost the server (browsers show it; benchmarks/bench_ui.py reads it)
-        response.headers["Server-Timing"] = f"app;dur={(time.perf_counter() - started) * 1000:.1f}"
-        response.headers.setdefault("Content-Security-Policy", CSP)
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["Referrer-Policy"] = "no-referrer"
-        response.headers["X-Frame-Options"] = "DENY"
-        response.headers.setdefault("Cache-Control", "no-store")
-        return response
+    app.middleware("http")(_security_headers)
 
     def page(name: str, status_code: int = 200, *, live: str | None = None, **ctx: Any) -> HTMLResponse:
         """``live``: the store's fingerprint read *before* the page's data (see :func:`version`), or
@@ -173,24 +162,7 @@ def create_app(settings: UISettings | None = None) -> FastAPI:
         would hide that write until the next one)."""
         return queries.fingerprint(store)
 
-    @app.exception_handler(RunNotFoundError)
-    def not_found(request: Request, exc: RunNotFoundError) -> HTMLResponse:
-        return page("error.jinja", 404, title="not found", message=str(exc))
-
-    @app.exception_handler(StoreBusyError)
-    def busy(request: Request, exc: StoreBusyError) -> HTMLResponse:
-        return page("error.jinja", 503, title="store busy", message=f"{exc} (this page retries on reload)")
-
-    @app.exception_handler(duckdb.Error)
-    def unreadable(request: Request, exc: duckdb.Error) -> HTMLResponse:
-        # e.g. a read that met a writer's half-finished checkpoint: nothing was changed, try again
-        return page("error.jinja", 503, title="store not readable right now",
-                    message=f"{type(exc).__name__}: {exc} (nothing was changed; this page retries on reload)")
-
-    @app.exception_handler(ValidationError)
-    def bad_query(request: Request, exc: ValidationError) -> HTMLResponse:
-        msg = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        return page("error.jinja", 400, title="bad request", message=msg)
+    _error_pages(app, page)
 
     @app.get("/", response_class=HTMLResponse)
     def runs(request: Request) -> HTMLResponse:
@@ -219,12 +191,7 @@ def create_app(settings: UISettings | None = None) -> FastAPI:
             raise RunNotFoundError(f"run {run.id} has no turn {index} (it has {len(run.turns)})")
         t = run.turns[index]
         path, note = find_tokenizer([t.model, run.model_spec, _parent_spec(store, run.parent_id)], settings.tokenizer)
-        advs, adv_note = (None, "only GRPO rollouts have advantages")
-        if run.kind == "rollout":
-            advs, adv_note = rollout_advantages(store, run)
-        turn_adv = advs[index] if advs is not None and index < len(advs) else None
-        if advs is not None and not t.trainable:
-            turn_adv, adv_note = None, "a helper call (trainable=False): not trained, no advantage"
+        turn_adv, adv_note = _turn_advantage(store, run, index)
         table = token_table(t, path, note, turn_adv, start=start)
         tr = build_trace(run)
         seen = tr.turn_messages.get(index, len(run.messages))
@@ -260,31 +227,7 @@ def create_app(settings: UISettings | None = None) -> FastAPI:
     def training(run_id: str, smooth: float = 0.6, step: int | None = None) -> HTMLResponse:
         if not 0 <= smooth < 1:
             raise HTTPException(400, "smooth must be in [0, 1)")
-        v = version()
-        run = store.get_run(run_id, media="refs")
-        rows = store.metrics(run.id)
-        series: dict[str, tuple[list[float], list[float]]] = {}
-        for row in rows:
-            for name, value in row.items():
-                if name != "step":
-                    xs, ys = series.setdefault(name, ([], []))
-                    xs.append(float(row["step"]))
-                    ys.append(float(value))
-        reward_names = [n for n in series if n.startswith("rewards/") or n == "reward"]
-        chart_list = []
-        if reward_names:
-            chart_list.append(charts.line_chart("reward components", [(n, *series[n]) for n in reward_names]))
-        for name in sorted(series):
-            xs, ys = series[name]
-            chart_list.append(charts.line_chart(name, [(f"{name} (smoothed {smooth:g})", xs, charts.ema(ys, smooth))],
-                                                faded=[(name, xs, ys)] if smooth > 0 else []))
-        steps = queries.child_steps(store, run.id)
-        shown = step if step is not None else (steps[-1] if steps else None)
-        rollouts = store.list_runs(limit=None, parent_id=run.id, tag=f"step:{shown}") if shown is not None else []
-        last = rows[-1]["step"] if rows else None
-        return page("train.jinja", live=v if run.status == "running" else None, title=f"training {run.id[:12]}", run=run,
-                    charts=chart_list, steps=steps, shown=shown, rollouts=rollouts, smooth=smooth,
-                    metric_names=sorted(series), last_step=last)
+        return _training_page(store, page, version(), run_id, smooth, step)
 
     @app.get("/media/{sha256}")
     def media(sha256: str) -> Response:
@@ -314,6 +257,89 @@ def create_app(settings: UISettings | None = None) -> FastAPI:
     app.state.store = store
     app.state.settings = settings
     return app
+
+
+async def _security_headers(request: Request, call_next: Any) -> Response:
+    """Every response: what it cost the server, a strict content policy, no sniffing, framing or caching."""
+    started = time.perf_counter()
+    response = await call_next(request)
+    # what the page cost the server (browsers show it; benchmarks/bench_ui.py reads it)
+    response.headers["Server-Timing"] = f"app;dur={(time.perf_counter() - started) * 1000:.1f}"
+    response.headers.setdefault("Content-Security-Policy", CSP)
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "no-referrer"
+    response.headers["X-Frame-Options"] = "DENY"
+    response.headers.setdefault("Cache-Control", "no-store")
+    return response
+
+
+def _error_pages(app: FastAPI, page: Any) -> None:
+    """The store's and the request's errors as pages (``page`` renders one)."""
+
+    @app.exception_handler(RunNotFoundError)
+    def not_found(request: Request, exc: RunNotFoundError) -> HTMLResponse:
+        return page("error.jinja", 404, title="not found", message=str(exc))
+
+    @app.exception_handler(StoreBusyError)
+    def busy(request: Request, exc: StoreBusyError) -> HTMLResponse:
+        return page("error.jinja", 503, title="store busy", message=f"{exc} (this page retries on reload)")
+
+    @app.exception_handler(duckdb.Error)
+    def unreadable(request: Request, exc: duckdb.Error) -> HTMLResponse:
+        # e.g. a read that met a writer's half-finished checkpoint: nothing was changed, try again
+        return page("error.jinja", 503, title="store not readable right now",
+                    message=f"{type(exc).__name__}: {exc} (nothing was changed; this page retries on reload)")
+
+    @app.exception_handler(ValidationError)
+    def bad_query(request: Request, exc: ValidationError) -> HTMLResponse:
+        msg = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        return page("error.jinja", 400, title="bad request", message=msg)
+
+
+def _metric_charts(rows: list[dict[str, Any]], smooth: float) -> tuple[dict[str, tuple[list[float], list[float]]],
+                                                                       list[Any]]:
+    """A training run's metric series by name, and their charts (reward components together first)."""
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for row in rows:
+        for name, value in row.items():
+            if name != "step":
+                xs, ys = series.setdefault(name, ([], []))
+                xs.append(float(row["step"]))
+                ys.append(float(value))
+    reward_names = [n for n in series if n.startswith("rewards/") or n == "reward"]
+    chart_list = []
+    if reward_names:
+        chart_list.append(charts.line_chart("reward components", [(n, *series[n]) for n in reward_names]))
+    for name in sorted(series):
+        xs, ys = series[name]
+        chart_list.append(charts.line_chart(name, [(f"{name} (smoothed {smooth:g})", xs, charts.ema(ys, smooth))],
+                                            faded=[(name, xs, ys)] if smooth > 0 else []))
+    return series, chart_list
+
+
+def _turn_advantage(store: RunStore, run: Any, index: int) -> tuple[float | None, str]:
+    """Turn ``index``'s GRPO advantage, or None and the note saying why it has none."""
+    advs, adv_note = (None, "only GRPO rollouts have advantages")
+    if run.kind == "rollout":
+        advs, adv_note = rollout_advantages(store, run)
+    turn_adv = advs[index] if advs is not None and index < len(advs) else None
+    if advs is not None and not run.turns[index].trainable:
+        turn_adv, adv_note = None, "a helper call (trainable=False): not trained, no advantage"
+    return turn_adv, adv_note
+
+
+def _training_page(store: RunStore, page: Any, v: str, run_id: str, smooth: float, step: int | None) -> HTMLResponse:
+    """A training run: its metric charts and the rollouts of one step (the last by default)."""
+    run = store.get_run(run_id, media="refs")
+    rows = store.metrics(run.id)
+    series, chart_list = _metric_charts(rows, smooth)
+    steps = queries.child_steps(store, run.id)
+    shown = step if step is not None else (steps[-1] if steps else None)
+    rollouts = store.list_runs(limit=None, parent_id=run.id, tag=f"step:{shown}") if shown is not None else []
+    last = rows[-1]["step"] if rows else None
+    return page("train.jinja", live=v if run.status == "running" else None, title=f"training {run.id[:12]}", run=run,
+                charts=chart_list, steps=steps, shown=shown, rollouts=rollouts, smooth=smooth,
+                metric_names=sorted(series), last_step=last)
 
 
 def _parent_spec(store: RunStore, parent_id: str | None) -> str | None:
