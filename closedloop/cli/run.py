@@ -57,6 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", help="run store file (default: $CLOSEDLOOP_STORE or ~/.closedloop/runs.duckdb)")
     p.add_argument("--no-store", action="store_true", help="do not record the run")
     p.add_argument("--no-stream", action="store_true", help="do not stream tokens")
+    p.add_argument("--otlp", nargs="?", const="", default=None, metavar="URL",
+                   help="export the run live as OpenTelemetry GenAI spans over OTLP/HTTP to URL (without URL: "
+                        "$OTEL_EXPORTER_OTLP_ENDPOINT, else http://localhost:4318); ids equal those of a later "
+                        "`closedloop runs export --format otlp` of the stored run (pip install 'closedloop[otel]')")
     p.set_defaults(func=handle)
 
 
@@ -80,6 +84,8 @@ async def _run(args: argparse.Namespace) -> int:
 
     try:  # the store first (cheap), then the model (may load weights): each problem as one line
         store = _open_store(args)
+        if args.otlp is not None:
+            _check_otlp(args.otlp)  # refused before the model loads
         client = make_client(args.model)
     except (ValueError, OSError, ModelError, duckdb.Error) as e:
         text = " ".join(redact_text(f"{type(e).__name__}: {e}").split())
@@ -98,12 +104,18 @@ async def _run(args: argparse.Namespace) -> int:
     config = {"configurable": {"thread_id": thread}}
     run_id = _start_run(store, args, thread) if store else None
     status, outcome, error = "failed", {}, None
+    live: Any = None  # the live OTLP recorder (--otlp)
     try:
         saver_cm = make_checkpointer("sqlite", args.checkpoint) if args.checkpoint else None
         saver = await saver_cm.__aenter__() if saver_cm else make_checkpointer("memory")
         try:
-            run = _Run(with_checkpointer(graph, saver), config, context_for(graph, **options),
-                       StoreRecorder(store, run_id) if store and run_id else None)
+            recorder: Any = StoreRecorder(store, run_id) if store and run_id else None
+            if args.otlp is not None:
+                from closedloop.telemetry.live import OtelRecorder
+
+                live = recorder = OtelRecorder(recorder, run_id or uuid.uuid4().hex, graph=args.graph,
+                                               model_spec=client.spec, endpoint=args.otlp or None)
+            run = _Run(with_checkpointer(graph, saver), config, context_for(graph, **options), recorder)
             result = await _drive(run, args.input, resume=bool(args.checkpoint))
             if result.paused:
                 status = "waiting"
@@ -131,6 +143,8 @@ async def _run(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/red] {error}")
         return 1
     finally:
+        if live is not None:
+            live.end(status, error=error)  # the run's span; flushes the exporter
         if store:
             store.finish_run(run_id, status=status, outcome=outcome, error=error)
             console.print(f"[dim]run {run_id} recorded in {store.path} (thread {thread})[/dim]")
@@ -138,15 +152,28 @@ async def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_otlp(endpoint: str) -> None:
+    """``--otlp``'s endpoint is an http(s) URL (or empty: the exporter's environment) and the SDK
+    is installed; a ``ValueError`` saying which otherwise."""
+    import importlib.util
+
+    if importlib.util.find_spec("opentelemetry") is None or importlib.util.find_spec("opentelemetry.sdk") is None:
+        raise ValueError("--otlp needs the OpenTelemetry SDK: pip install 'closedloop[otel]'")
+    if endpoint:
+        from closedloop.telemetry.otlp import traces_url
+
+        traces_url(endpoint)
+
+
 @dataclass
 class _Run:
     """One command's graph run: the graph (with its checkpointer), the thread, the run context and
-    the store's recorder (None with ``--no-store``)."""
+    the recorder: the store's (None with ``--no-store``), wrapped by the live OTLP one with ``--otlp``."""
 
     graph: Any
     config: dict[str, Any]
     context: Any
-    recorder: StoreRecorder | None
+    recorder: Any
 
     async def __call__(self, graph_input: Any, on_event: Any) -> GraphRun:
         return await run_graph(self.graph, graph_input, config=self.config, context=self.context, on_event=on_event,

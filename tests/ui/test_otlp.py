@@ -126,3 +126,34 @@ def test_live_recorder_exports_during_the_run_with_the_stored_export_ids(tmp_pat
         assert export_runs(store, [run_id], exporter) == 4
         exporter.shutdown()
     assert {(s.name, s.span_id, s.parent_span_id, s.trace_id) for s in stored_rx.spans} == live
+
+
+def test_closedloop_run_exports_live_with_the_stored_export_ids(tiny_client, tmp_path):
+    """``closedloop run --otlp URL``: the run's spans arrive while it runs (a model turn per step,
+    the run's own span at the end), and exporting the stored run later gives the same trace."""
+    from closedloop.server import create_app
+    from closedloop.server.local import serve_app
+    from closedloop.telemetry.otlp import export_runs, make_exporter
+
+    store_path = tmp_path / "runs.duckdb"
+    with serve_app(create_app(tiny_client, "tiny")) as url, Receiver() as live_rx:
+        assert main(["run", "react", "--model", f"openai:tiny@{url}", "--input", "What is 2 plus 3?",
+                     "--store", str(store_path), "--max-turns", "2", "--max-tokens", "32",
+                     "--otlp", live_rx.endpoint]) == 0
+    live = {(s.name, s.span_id, s.parent_span_id, s.trace_id) for s in live_rx.spans}
+    assert any(n == "invoke_agent react" for n, *_ in live) and any(n.startswith("chat ") for n, *_ in live)
+    store = RunStore(store_path)
+    (run,) = store.list_runs(kind="run")
+    with Receiver() as stored_rx:
+        exporter = make_exporter(stored_rx.endpoint)
+        export_runs(store, [run.id], exporter)
+        exporter.shutdown()
+    assert {(s.name, s.span_id, s.parent_span_id, s.trace_id) for s in stored_rx.spans} == live
+
+
+def test_closedloop_run_refuses_a_bad_otlp_endpoint_before_the_model_loads(tmp_path, capsys):
+    rc = main(["run", "react", "--model", f"hf:{tmp_path / 'no-model'}", "--input", "hi", "--no-store",
+               "--otlp", "localhost:4318"])
+    assert rc == 2
+    err = capsys.readouterr().out
+    assert "must be an http(s) URL" in err and "no such directory" not in err
