@@ -22,8 +22,8 @@ it waits and after each batch) or once it has been idle for a while
 the state of the last commit, as when every transaction closed the file. A transaction with a
 ``before`` step (migrations, bulk settings that change the connection's checkpointing) always
 runs on a connection of its own. A SIGKILL while the file is kept loses nothing committed: the
-commits are in DuckDB's WAL, which the next writer replays (a reader that comes first sees the
-state of the last checkpoint, as a reader beside a killed writer always could).
+commits are in DuckDB's WAL, which the next opener replays (a ``read_only`` one in memory,
+leaving the file as it is; the next writer checkpoints it).
 
 ``":memory:"`` (tests) is one in-process database; a thread lock gives it the same one
 transaction at a time.
