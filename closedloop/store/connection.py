@@ -165,6 +165,8 @@ class StoreFile:
     def _acquire(self, deadline: float, read_only: bool) -> int:
         try:
             return self._lock.acquire(shared=read_only, deadline=deadline)
+        except LockTimeout:  # a TimeoutError, hence an OSError: the caller names the holder
+            raise
         except OSError as e:  # the lock file beside the store cannot be created or opened
             raise StoreOpenError(f"run store {self.path}: cannot use its lock file {self._lock.path}: "
                                  f"{e.strerror or e}") from None
