@@ -141,6 +141,8 @@ class StoreFile:
                     except BaseException:
                         self._close_kept()  # a fresh connection for the next try, whatever state this one is in
                         raise
+                    if self._keeper is None:  # keeping ended meanwhile (its release waited for this transaction)
+                        self._close_kept()
                     return
                 fd = self._acquire(deadline, read_only)
                 try:
@@ -187,10 +189,13 @@ class StoreFile:
         """Close a kept connection (and let the lock go) if another process waits for it, or ``always``."""
         if self.memory is not None or self._lock.key not in _kept:
             return
-        with self._lock.local(time.monotonic() + self.lock_timeout_s):
-            kept = _kept.get(self._lock.key)
-            if kept is not None and (always or self._lock.wanted(kept.fd)):
-                self._close_kept()
+        try:
+            with self._lock.local(time.monotonic() + (self.lock_timeout_s if always else 0.0)):
+                kept = _kept.get(self._lock.key)
+                if kept is not None and (always or self._lock.wanted(kept.fd)):
+                    self._close_kept()
+        except LockTimeout:
+            pass  # a transaction of another thread has the file: it closes it when done (always), or the next check
 
     def _close_kept(self) -> None:
         kept = _kept.pop(self._lock.key)
