@@ -76,9 +76,13 @@ _MIN_ENV_SECRET = 8
 # the lower-cased text with plain substring tests (one case-insensitive regex alternation is ~10x
 # slower). Text that holds none of them cannot be changed by any rule here, which lets the bulk
 # writer skip the full, recursive, per-key redaction of the common message with no credential.
+# Each costs a scan of the text, so none is implied by another (``auth`` covers authorization).
 _TRIGGERS = ("sk-", "bearer", "basic", "hf_", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "akia", "xox", "aiza", "token",
-             "secret", "passw", "authori", "credential", "key", "eyj", "-----begin", "sig", "auth", "@")
+             "secret", "passw", "credential", "key", "eyj", "-----begin", "sig", "auth", "@")
 _JSON_PLAIN = re.compile(r'^[^"\\\x00-\x1f\x7f-\U0010ffff]*$')
+# Any 32-hex run, the cheap first test for a bare hex key (whose pattern's lookarounds make the
+# regex engine try every position; this one lets it skip to a hex character).
+_HEX_RUN = re.compile(r"[0-9a-f]{32}")
 
 
 def might_hold_secret(text: str, env_secrets: list[str]) -> bool:
@@ -86,11 +90,21 @@ def might_hold_secret(text: str, env_secrets: list[str]) -> bool:
     JSON document whose serialised form is ``text`` (JSON escaping keeps every trigger intact; an
     environment secret with characters JSON would escape always answers True)."""
     lowered = text.lower()
-    if any(t in lowered for t in _TRIGGERS):
+    for trigger in _TRIGGERS:  # a loop, not any(generator): the generator costs more than most scans
+        if trigger in lowered:
+            return True
+    if _HEX_RUN.search(lowered) is not None and _find_hex_key(text):
         return True
-    if _find_hex_key(text):
-        return True
-    return any(s in text or not _JSON_PLAIN.match(s) for s in env_secrets)
+    for s in env_secrets:
+        if s in text or not _json_plain(s):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=256)
+def _json_plain(s: str) -> bool:
+    """Whether JSON writes ``s`` as it is (no character it escapes)."""
+    return _JSON_PLAIN.match(s) is not None
 
 
 def is_sensitive_key(key: str) -> bool:

@@ -543,6 +543,11 @@ def _reject_constant(token: str) -> Any:
                     f"send finite numbers only")
 
 
+# Built once: ``json.loads`` with a keyword builds a decoder (and its scanner) on every call.
+_STRICT_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_LAX_DECODER = json.JSONDecoder()
+
+
 def _parse_arguments(text: str, limits: ArgumentLimits, schema: dict[str, Any]) -> Any:
     """``json.loads`` that refuses oversized text, NaN/Infinity tokens, integers of thousands of
     digits and nesting deep enough to exhaust the parser's recursion, each with a clear message."""
@@ -550,7 +555,9 @@ def _parse_arguments(text: str, limits: ArgumentLimits, schema: dict[str, Any]) 
         raise _ArgError("invalid_arguments", f"arguments are {len(text)} characters of JSON, over the limit of "
                         f"{limits.max_bytes}; pass large arrays as .npy/.npz file paths")
     try:
-        return json.loads(text, parse_constant=None if limits.allow_non_finite else _reject_constant)
+        if text.startswith("\ufeff"):  # what json.loads refuses before decoding
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        return (_LAX_DECODER if limits.allow_non_finite else _STRICT_DECODER).decode(text)
     except _ArgError:
         raise
     except json.JSONDecodeError as e:

@@ -2,8 +2,10 @@
 
 ``record`` runs on the event loop (``run_graph`` calls it per super-step), so it must not touch
 the DuckDB file: it hands the step to :meth:`RunStore.log_step`, which queues it in microseconds;
-the store's background thread commits queued steps in batches (gathered for ``flush_interval_s``,
-longer after an expensive batch, at most ``max_queued_steps`` at a time). ``finish_run`` (and
+the store's background thread commits queued steps in batches (gathered for at least
+``flush_interval_s``, longer after an expensive batch: up to a second on a loaded machine; at
+most ``max_queued_steps`` at a time), keeping the file open between batches while no other
+process asks for it (see :mod:`closedloop.store.writer`). ``finish_run`` (and
 :meth:`StoreRecorder.flush`) commit whatever is still queued, so a finished run is complete; a
 process killed mid-run loses the steps not yet committed (see :mod:`closedloop.store.writer`).
 """
@@ -28,7 +30,9 @@ class StoreRecorder:
     def record(self, messages: list[_Message], turns: list[Turn], tool_records: list[ToolRecord]) -> None:
         calls = []
         for r in tool_records:
-            call = ToolCall(id=r.call_id, function=FunctionCall(name=r.name, arguments=r.arguments))
+            # A ToolRecord's fields are validated strings already: constructing skips validating them again.
+            call = ToolCall.model_construct(id=r.call_id, type="function",
+                                            function=FunctionCall.model_construct(name=r.name, arguments=r.arguments))
             calls.append((call, ToolResult(r.name, r.content, r.error, r.error_kind, r.latency_s), r.turn_idx))
         self.store.log_step(self.run_id, messages, turns, calls)
 

@@ -1,13 +1,29 @@
 """The store's file and the one way to use it: one transaction on a connection of its own, under the store's lock.
 
-DuckDB lets one process at a time open a file for writing, so the store never holds the file
-between operations: each transaction opens a connection, runs inside BEGIN/COMMIT and closes it
-(DuckDB checkpoints on close) before the lock is released. Every open goes through the store's own
+DuckDB lets one process at a time open a file for writing, so by default the store does not hold
+the file between operations: a transaction opens a connection, runs inside BEGIN/COMMIT and closes
+it (DuckDB checkpoints on close) before the lock is released. Every open goes through the store's own
 lock first (:mod:`closedloop.store.lock`): exclusive for a write, shared for a read (readers open
 the file ``read_only`` and may read together); DuckDB 2 reads the file's header before it locks
 the file, and this lock is what keeps another process from checkpointing in between. A lock held
 elsewhere is waited for, with backoff, until ``lock_timeout_s`` (then :class:`StoreBusyError`,
 naming the holder). A crash mid-write loses only the uncommitted transaction, never half of one.
+
+Opening and closing is most of what a small transaction costs (creating DuckDB's database
+instance, the checkpoint on close: some 20-40 ms of CPU). So while the store's background writer
+streams batches (:mod:`closedloop.store.writer`), :meth:`StoreFile.keep_open` keeps the write
+connection and its exclusive lock between transactions, shared by every thread of the process
+(one at a time, as before; reads of this process use it too, since DuckDB allows one instance of
+a file per process). Other processes are not shut out: one that waits for the lock says so
+(the *want* byte of :mod:`closedloop.store.lock`), and the writer closes the file at its next
+check (:meth:`StoreFile.release_if_wanted`, every :data:`~closedloop.store.writer.POLL_S` while
+it waits and after each batch) or once it has been idle for a while
+(:data:`~closedloop.store.writer.LINGER_S`). Closing checkpoints, so the waiter opens exactly
+the state of the last commit, as when every transaction closed the file. A transaction with a
+``before`` step (migrations, bulk settings that change the connection's checkpointing) always
+runs on a connection of its own. A SIGKILL while the file is kept loses nothing committed: the
+commits are in DuckDB's WAL, which the next opener replays (a ``read_only`` one in memory,
+leaving the file as it is; the next writer checkpoints it).
 
 ``":memory:"`` (tests) is one in-process database; a thread lock gives it the same one
 transaction at a time.
@@ -18,7 +34,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -33,6 +48,28 @@ from closedloop.store.location import check_store_path
 from closedloop.store.lock import LockTimeout, StoreLock
 
 __all__ = ["StoreFile", "lock_timeout_from_env", "Transaction"]
+
+
+class _Kept:
+    """A write connection kept open between transactions, and the lock descriptor that holds the file."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, fd: int) -> None:
+        self.con, self.fd = con, fd
+
+
+# Kept connections by lock file (one per file and process, shared by every StoreFile of that
+# file); read and changed only under the file's StoreLock.local.
+_kept: dict[str, _Kept] = {}
+_inherited: list[_Kept] = []  # a forked child's copies: never closed there (closing would checkpoint)
+
+
+def _forget_kept_in_child() -> None:
+    _inherited.extend(_kept.values())
+    _kept.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_kept_in_child)
 
 T = TypeVar("T")
 Transaction = Callable[[duckdb.DuckDBPyConnection], T]
@@ -69,6 +106,7 @@ class StoreFile:
 
     def __init__(self, path: str | os.PathLike[str] | None, *, lock_timeout_s: float, create_dirs: bool) -> None:
         self.lock_timeout_s = lock_timeout_s
+        self._keeper: int | None = None  # the thread whose write connections are kept (keep_open)
         self.memory: duckdb.DuckDBPyConnection | None = None
         self._memory_lock = threading.Lock()  # one transaction at a time, as the file's lock gives
         if str(path) == ":memory:":
@@ -80,33 +118,91 @@ class StoreFile:
             self._lock = StoreLock(self.path)
 
     @contextmanager
-    def connect(self, deadline: float | None = None, *, read_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+    def connect(self, deadline: float | None = None, *, read_only: bool = False,
+                own: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
         """A connection for one transaction, under the store's lock: shared and ``read_only`` for
-        reads, exclusive for writes; closed before the lock is released."""
+        reads, exclusive for writes; closed before the lock is released, unless :meth:`keep_open`
+        keeps it (then a kept connection serves reads and writes alike). ``own``: a connection
+        of its own, never kept (a kept one is closed first)."""
         deadline = deadline if deadline is not None else time.monotonic() + self.lock_timeout_s
         if self.memory is not None:
             with self._memory_connection(deadline) as con:
                 yield con
             return
         try:
-            held = self._lock.hold(shared=read_only, deadline=deadline)
-            held.__enter__()
+            with self._lock.local(deadline):
+                kept = _kept.get(self._lock.key)
+                if kept is not None and (own or self._keeper is None or self._lock.wanted(kept.fd)):
+                    self._close_kept()
+                    kept = None
+                if kept is not None:
+                    try:
+                        yield kept.con
+                    except BaseException:
+                        self._close_kept()  # a fresh connection for the next try, whatever state this one is in
+                        raise
+                    if self._keeper is None:  # keeping ended meanwhile (its release waited for this transaction)
+                        self._close_kept()
+                    return
+                fd = self._acquire(deadline, read_only)
+                try:
+                    con = self._open_file(deadline, read_only)
+                except BaseException:
+                    self._lock.release(fd)
+                    raise
+                try:
+                    yield con
+                finally:
+                    if (self._keeper == threading.get_ident() and not (own or read_only)
+                            and not self._lock.wanted(fd)):
+                        _kept[self._lock.key] = _Kept(con, fd)
+                    else:
+                        try:
+                            con.close()
+                        finally:
+                            self._lock.release(fd)
         except LockTimeout as e:
             raise StoreBusyError.held(self.path, self.lock_timeout_s, e.holders[0] if e.holders else None) from None
+
+    def _acquire(self, deadline: float, read_only: bool) -> int:
+        try:
+            return self._lock.acquire(shared=read_only, deadline=deadline)
+        except LockTimeout:  # a TimeoutError, hence an OSError: the caller names the holder
+            raise
         except OSError as e:  # the lock file beside the store cannot be created or opened
             raise StoreOpenError(f"run store {self.path}: cannot use its lock file {self._lock.path}: "
                                  f"{e.strerror or e}") from None
+
+    def keep_open(self, keep: bool) -> None:
+        """Keep the write connection between transactions (``True``: a connection that the calling
+        thread opens, a background writer that checks :meth:`release_if_wanted` while it runs;
+        other threads use it meanwhile), or close it now and no longer (``False``)."""
+        self._keeper = threading.get_ident() if keep else None
+        if not keep:
+            self.release_if_wanted(always=True)
+
+    def holding(self) -> bool:
+        """Whether this process keeps the file open now."""
+        return self.memory is None and self._lock.key in _kept
+
+    def release_if_wanted(self, *, always: bool = False) -> None:
+        """Close a kept connection (and let the lock go) if another process waits for it, or ``always``."""
+        if self.memory is not None or self._lock.key not in _kept:
+            return
         try:
-            con = self._open_file(deadline, read_only)
-            try:
-                yield con
-            finally:
-                con.close()
-        except BaseException:
-            if not held.__exit__(*sys.exc_info()):
-                raise
-        else:
-            held.__exit__(None, None, None)
+            with self._lock.local(time.monotonic() + (self.lock_timeout_s if always else 0.0)):
+                kept = _kept.get(self._lock.key)
+                if kept is not None and (always or self._lock.wanted(kept.fd)):
+                    self._close_kept()
+        except LockTimeout:
+            pass  # a transaction of another thread has the file: it closes it when done (always), or the next check
+
+    def _close_kept(self) -> None:
+        kept = _kept.pop(self._lock.key)
+        try:
+            kept.con.close()  # checkpoints: the next opener sees every commit in the file itself
+        finally:
+            self._lock.release(kept.fd)
 
     @contextmanager
     def _memory_connection(self, deadline: float) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -148,7 +244,7 @@ class StoreFile:
         delay = 0.005
         while True:
             try:
-                with self.connect(deadline, read_only=read_only) as con:
+                with self.connect(deadline, read_only=read_only, own=before is not None) as con:
                     if before is not None:
                         before(con)
                     con.execute("BEGIN TRANSACTION")
@@ -172,7 +268,9 @@ class StoreFile:
                 delay = _backoff(delay)
 
     def close(self) -> None:
-        """Close an in-memory database (a file has no connection open between transactions)."""
+        """Close an in-memory database, or a kept connection to the file."""
+        if self.memory is None:
+            self.keep_open(False)
         if self.memory is not None:
             self.memory.close()
             self.memory = None

@@ -28,6 +28,14 @@ file drops them all, so within a process one threading lock per file serialises 
 (threads of one process take turns anyway: DuckDB allows one instance of a file per process).
 The kernel releases everything when a process dies, SIGKILL included. Waits poll with backoff
 until a deadline, so a caller always gets an answer (:class:`LockTimeout`) instead of hanging.
+
+A third byte, *want*, lets a holder that keeps the file open between transactions (the store's
+background writer, :mod:`closedloop.store.connection`) learn that another process is waiting:
+a process whose first try at the gate or the data lock fails holds *want* shared until it gets
+the lock (or gives up), and :meth:`StoreLock.wanted` asks whether some other process holds it.
+The holder then closes the file and lets the lock go at its next check (at most
+:data:`closedloop.store.writer.POLL_S` later, or after the batch it is writing), so the waiter
+gets its turn as it did when the file was released after every transaction.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from typing import Iterator
 
 __all__ = ["StoreLock", "LockTimeout", "lock_path"]
 
-_GATE, _DATA = 0, 1  # byte offsets of the two locks in the lock file
+_GATE, _DATA, _WANT = 0, 1, 2  # byte offsets of the locks in the lock file
 _BUSY = (errno.EAGAIN, errno.EACCES)  # what F_SETLK answers for a conflicting lock
 
 
@@ -88,39 +96,77 @@ if hasattr(os, "register_at_fork"):
 class StoreLock:
     """The lock of one store file (see the module docstring). ``hold`` is not re-entrant: a thread
     that already holds it and asks again gets a ``RuntimeError`` (a nested open would drop the
-    outer hold when it closed)."""
+    outer hold when it closed).
+
+    ``hold`` is ``local`` (this process's turn) then ``acquire`` (the other processes'); a caller
+    that keeps the file open between its turns (see :mod:`closedloop.store.connection`) keeps the
+    descriptor ``acquire`` returned and gives it to ``release`` when it closes the file.
+    """
 
     def __init__(self, store_path: Path) -> None:
         self.path = lock_path(store_path)
-        self._key = os.path.realpath(self.path)
+        self.key = os.path.realpath(self.path)
 
     @contextmanager
     def hold(self, *, shared: bool, deadline: float) -> Iterator[None]:
-        me = threading.get_ident()
-        if _owners.get(self._key) == me:
-            raise RuntimeError(f"{self.path}: nested store access from one thread (a bug in the caller)")
-        local = _thread_lock(self._key)
-        if not local.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise LockTimeout(self.path, [])
-        _owners[self._key] = me
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        with self.local(deadline):
+            fd = self.acquire(shared=shared, deadline=deadline)
             try:
-                mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-                self._acquire(fd, mode, _GATE, deadline)
-                try:
-                    self._acquire(fd, mode, _DATA, deadline)
-                finally:
-                    fcntl.lockf(fd, fcntl.LOCK_UN, 1, _GATE)
                 yield
             finally:
-                os.close(fd)  # releases the data lock (and any lock this process has on the file)
+                self.release(fd)
+
+    @contextmanager
+    def local(self, deadline: float) -> Iterator[None]:
+        """This process's turn at the file: one thread at a time (POSIX locks are per process)."""
+        me = threading.get_ident()
+        if _owners.get(self.key) == me:
+            raise RuntimeError(f"{self.path}: nested store access from one thread (a bug in the caller)")
+        local = _thread_lock(self.key)
+        if not local.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise LockTimeout(self.path, [])
+        _owners[self.key] = me
+        try:
+            yield
         finally:
-            del _owners[self._key]
+            del _owners[self.key]
             local.release()
+
+    def acquire(self, *, shared: bool, deadline: float) -> int:
+        """The data lock against other processes (call within :meth:`local`); the descriptor that holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+            self._acquire(fd, mode, _GATE, deadline)
+            try:
+                self._acquire(fd, mode, _DATA, deadline)
+            finally:
+                fcntl.lockf(fd, fcntl.LOCK_UN, 1, _GATE)
+                fcntl.lockf(fd, fcntl.LOCK_UN, 1, _WANT)  # no longer waiting
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @staticmethod
+    def release(fd: int) -> None:
+        os.close(fd)  # releases the data lock (and any lock this process has on the file)
+
+    @staticmethod
+    def wanted(fd: int) -> bool:
+        """Whether another process waits for this lock (holds the *want* byte); one non-blocking syscall."""
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _WANT)
+        except OSError as e:
+            if e.errno not in _BUSY:
+                raise
+            return True
+        fcntl.lockf(fd, fcntl.LOCK_UN, 1, _WANT)
+        return False
 
     def _acquire(self, fd: int, mode: int, offset: int, deadline: float) -> None:
         delay = 0.001
+        wanting = False
         while True:
             try:
                 fcntl.lockf(fd, mode | fcntl.LOCK_NB, 1, offset)
@@ -128,6 +174,13 @@ class StoreLock:
             except OSError as e:
                 if e.errno not in _BUSY:
                     raise
+            if not wanting:  # tell a holder that keeps the file open to let it go (module docstring)
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, _WANT)
+                    wanting = True
+                except OSError as e:
+                    if e.errno not in _BUSY:  # the holder is checking right now: try again next round
+                        raise
             if time.monotonic() >= deadline:
                 raise LockTimeout(self.path, holders(self.path))
             time.sleep(min(delay * (0.5 + random.random()), max(0.0, deadline - time.monotonic())))

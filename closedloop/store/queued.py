@@ -32,7 +32,7 @@ from closedloop.store.errors import RunNotFoundError, RunStateError, StoreBusyEr
 from closedloop.store.media import MediaSink, write_media
 from closedloop.store.pricing import PriceFn
 from closedloop.store.records import utcnow
-from closedloop.store.writer import BackgroundWriter, PartialBatch
+from closedloop.store.writer import BackgroundWriter, Holder, PartialBatch
 from closedloop.store.writes import next_indices, prepare_call, price, take, tool_call_turn_idx
 from closedloop.tool import ToolResult
 
@@ -73,11 +73,13 @@ class StepQueue:
     """One store's queue of steps and the background writer that commits them (started by the first step).
 
     ``label`` names the store in the writer thread's name and in warnings. :attr:`errors` holds
-    the queued writes that failed since the store's last ``flush``.
+    the queued writes that failed since the store's last ``flush``. ``holder``: the store's file,
+    kept open by the writer thread between batches (see :mod:`closedloop.store.writer`).
     """
 
-    def __init__(self, *, label: str, interval_s: float, max_pending: int) -> None:
+    def __init__(self, *, label: str, interval_s: float, max_pending: int, holder: Holder | None = None) -> None:
         self.label, self.interval_s, self.max_pending = label, interval_s, max_pending
+        self.holder = holder
         self._writer: BackgroundWriter | None = None
         self.errors: list[BaseException] = []
 
@@ -88,7 +90,7 @@ class StepQueue:
         if self._writer is None:
             self._writer = BackgroundWriter(write, interval_s=self.interval_s,
                                             name=f"closedloop-store-writer:{self.label}", retryable=(StoreBusyError,),
-                                            max_pending=self.max_pending)
+                                            max_pending=self.max_pending, holder=self.holder)
             _open_queues.add(self)
         self._writer.submit(step)
 

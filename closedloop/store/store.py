@@ -4,9 +4,10 @@
 modules beside it say what happens inside:
 
 - :mod:`~closedloop.store.connection`: the file, its lock and the one transaction helper. The
-  store never holds the file between operations (another process, ``closedloop runs list`` next
-  to a running eval, gets its turn between writes); a crash mid-write loses only the uncommitted
-  transaction.
+  store holds the file between operations only while its background writer streams batches, and
+  lets it go as soon as another process (``closedloop runs list`` next to a running eval) waits
+  for it, so that process gets its turn between batches; a crash mid-write loses only the
+  uncommitted transaction.
 - :mod:`~closedloop.store.runs`: start, finish, reopen, and runs whose process died marked
   ``killed`` ("on open", and before any read shows them).
 - three ways to write, by cost (opening the file costs tens of milliseconds):
@@ -19,8 +20,9 @@ modules beside it say what happens inside:
     by a background thread, one transaction per batch. Durability: what :meth:`RunStore.flush`
     returned from is committed (``finish_run``, ``close``, any synchronous call on the same store
     and interpreter exit flush first, so a finished run is complete). Before that, a SIGKILL
-    loses the steps queued since the last commit. ``flush_interval_s`` is only how long the
-    writer gathers; the commit then takes the CPU time of preparing and writing the batch
+    loses the steps queued since the last commit. ``flush_interval_s`` is only the shortest
+    gathering (after an expensive batch the writer gathers longer, up to a second, to keep its
+    share of a core small); the commit then takes the CPU time of preparing and writing the batch
     (stretched many times on a loaded machine) plus any wait for another process's lock, so no
     wall-clock bound holds. What is bounded is the count: at most ``max_queued_steps`` waiting
     plus one batch being written. See :mod:`closedloop.store.writer`.
@@ -88,8 +90,9 @@ class RunStore:
 
     ``price_fn(model, prompt_tokens, completion_tokens) -> usd | None`` prices turns whose usage
     has no cost; the default uses :mod:`closedloop.store.pricing`. ``flush_interval_s``: how long
-    the background writer gathers queued writes (:meth:`log_step`) before it commits them (not a
-    bound on when they are durable: :meth:`flush` is, see the module docstring);
+    the background writer gathers queued writes (:meth:`log_step`) at least before it commits them
+    (up to a second after an expensive batch; not a bound on when they are durable: :meth:`flush`
+    is, see the module docstring);
     ``max_queued_steps``: how many may wait at most. ``create_dirs``: create a missing directory
     of ``path`` (the default location's always is), see :mod:`closedloop.store.location`.
     ``lock_timeout_s``: how long to wait for another process's lock (default
@@ -114,7 +117,7 @@ class RunStore:
         self.max_queued_steps = max_queued_steps
         self._file = StoreFile(path, lock_timeout_s=lock_timeout_s, create_dirs=create_dirs)
         self._queue = queued.StepQueue(label=str(self._file.path), interval_s=flush_interval_s,
-                                       max_pending=max_queued_steps)
+                                       max_pending=max_queued_steps, holder=self._file)
         self._open()
 
     @property
@@ -271,8 +274,8 @@ class RunStore:
                  tool_calls: Sequence[tuple[ToolCall, ToolResult, int | None]] = (), *, replace: bool = False) -> None:
         """Queue what one graph step added; returns at once (microseconds), never touching the file.
 
-        A background thread commits queued steps in order, one transaction per
-        ``flush_interval_s``. The objects are serialised on that thread: do not mutate them after
+        A background thread commits queued steps in order, one transaction per batch (gathered for
+        ``flush_interval_s`` or longer, see :mod:`closedloop.store.writer`). The objects are serialised on that thread: do not mutate them after
         the call. Errors (the run is not running, a store problem) cannot be raised here; they are
         warned about and raised by the next :meth:`flush`. ``tool_calls`` are ``(call, result,
         turn_idx)``; ``turn_idx=None`` means the run's latest turn at that point.

@@ -177,6 +177,40 @@ def test_another_process_reads_while_the_background_writer_commits(store_path, t
     assert final.status == "completed" and len(final.turns) == n
 
 
+READ_MESSAGES = """
+import sys
+from closedloop.store import RunStore
+
+print(len(RunStore(sys.argv[1]).get_run(sys.argv[2]).messages))
+"""
+
+
+def test_the_writer_keeps_the_file_open_between_batches_and_lets_a_waiting_process_in(store_path, monkeypatch):
+    import closedloop.store.writer as writer_module
+
+    monkeypatch.setattr(writer_module, "LINGER_S", 3600.0)  # only a process asking for the file makes it let go
+    store = RunStore(store_path, flush_interval_s=0)
+    run_id = store.start_run()
+    logged, deadline = 0, time.monotonic() + 300
+    while not store._file.holding():  # a batch the writer thread committed leaves the file open
+        assert time.monotonic() < deadline, "the writer never kept the file open"
+        store.log_step(run_id, [UserMessage(content=f"u{logged}")])
+        logged += 1
+        time.sleep(0.005)  # lets the writer thread take a batch; nothing races a clock
+    store.flush()  # commits on the kept connection, which stays open
+    assert store._file.holding()
+
+    proc = run_python(READ_MESSAGES, str(store_path), run_id)  # waits for the lock, says so, gets it
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(logged)]  # every committed step, from the file itself
+    assert not store._file.holding()
+
+    store.log_step(run_id, [UserMessage(content="after")])  # the writer opens the file again
+    store.finish_run(run_id)
+    assert [m.text for m in RunStore(store_path).get_run(run_id).messages] == [f"u{i}" for i in range(logged)] + ["after"]
+    store.close()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_does_not_write_its_parents_queue_again(store_path):
     store = RunStore(store_path, flush_interval_s=60)
