@@ -1,0 +1,144 @@
+"""The demo's claim over training seeds (recipe ``demo_seeds.yaml``): each stage of the main job adds
+something on held-out episodes, base < SFT < GRPO, with intervals that hold across seeds.
+
+One ``closedloop demo`` run per seed (the built-in ``demo`` recipe itself, nested, in
+``<out>/seed-<k>``: its own ``recipe.json``, store and plot; a re-run resumes each), the seed
+setting the tiny model's build, SFT's data order and GRPO's sampling; every run is evaluated on the
+same held-out episodes (``eval_seed_start``), so stages are compared within a seed. Reported per
+stage: the mean over seeds of held-out success with a Student-t 95% interval over the per-seed
+means; per step (SFT - base, GRPO - SFT): the mean paired difference with its t-interval. The
+claim holds when both differences' intervals lie above 0. The between-seed spread is the whole
+error bar: the episodes' binomial noise is inside each seed's mean, and a t-interval over
+``n`` seeds is wide for small ``n`` (t(0.975, 2) = 4.30), which is the point.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from closedloop.trainers.recipes import StageContext, StageKind
+
+STAGES = ("base", "sft", "grpo")
+STEPS = (("sft", "base"), ("grpo", "sft"))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DemoRun(_Strict):
+    """One seed: the built-in demo recipe with ``params`` and this seed, into ``out``."""
+
+    seed: int
+    out: str
+    params: dict[str, Any] = Field(default_factory=dict, description="The demo's params (closedloop demo --list-keys).")
+
+
+def _demo_run(config: DemoRun, ctx: StageContext) -> dict[str, Any]:
+    from closedloop.trainers.recipes import DEMO, StageInterrupted, run_recipe
+
+    done = run_recipe(DEMO, params={**config.params, "seed": config.seed, "out": config.out}, quick=ctx.quick)
+    if done.interrupted:
+        raise StageInterrupted(f"the demo of seed {config.seed} stopped; run again to continue")
+    record = json.loads((Path(config.out) / "recipe.json").read_text())
+    results = json.loads(Path(done.outputs["report"]["results"]).read_text())
+    return {"seed": config.seed, "results": done.outputs["report"]["results"],
+            "success": {s["name"]: s["summary"]["success"] for s in results["stages"]},
+            "episodes": results["stages"][0]["summary"]["episodes"],
+            "stages": {name: {k: r.get(k) for k in ("commit", "dirty", "config_hash", "seeds", "seconds")}
+                       for name, r in record["stages"].items()}}
+
+
+DEMO_RUN = StageKind(DemoRun, _demo_run, "the demo recipe for one seed")
+
+
+def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """Mean and Student-t interval of ``values`` (independent per-seed numbers); one value: no interval."""
+    from scipy import stats
+
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, float("nan"), float("nan")
+    half = float(stats.t.ppf(0.5 + level / 2, len(values) - 1)) * statistics.stdev(values) / len(values) ** 0.5
+    return mean, mean - half, mean + half
+
+
+class Report(_Strict):
+    runs: dict[str, dict[str, Any]] = Field(..., description="Earlier stages' outputs by name (seed-<k>).")
+    seeds: list[int] = Field(..., min_length=1, description="The seeds to report.")
+    params: dict[str, Any] = Field(default_factory=dict, description="The demo's params.")
+    results_dir: str = Field(..., description="Where results.json, results.md and demo_seeds.png go.")
+    command: str = ""
+
+
+def _row(values: list[float]) -> dict[str, Any]:
+    mean, low, high = t_interval(values)
+    return {"mean": mean, "ci_low": low, "ci_high": high, "per_seed": values}
+
+
+def _report(config: Report, ctx: StageContext) -> dict[str, Any]:
+    runs = [config.runs[f"seed-{s}"] for s in config.seeds]
+    stages = {s: _row([r["success"][s] for r in runs]) for s in STAGES}
+    steps = {f"{a}-{b}": _row([r["success"][a] - r["success"][b] for r in runs]) for a, b in STEPS}
+    holds = len(runs) >= 2 and all(step["ci_low"] > 0 for step in steps.values())
+    out = {"claim": "each stage of closedloop demo adds held-out success: base < SFT < GRPO",
+           "interval": "Student t 95% over per-seed means (paired differences for the steps)",
+           "seeds": [r["seed"] for r in runs], "episodes_per_stage": runs[0]["episodes"] if runs else 0,
+           "stages": stages, "steps": steps, "holds": holds, "params": config.params, "command": config.command,
+           "commits": sorted({str(s["commit"]) for r in runs for s in r["stages"].values()}),
+           "dirty": any(s["dirty"] for r in runs for s in r["stages"].values()),
+           "runs": runs}
+    folder = Path(config.results_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(out, indent=1) + "\n")
+    (folder / "results.md").write_text(_markdown(out))
+    _plot(out, folder / "demo_seeds.png")
+    ctx.log(_markdown(out))
+    return {"results": str(folder / "results.json"), "holds": holds}
+
+
+def _fmt(row: dict[str, Any], sign: str = "") -> str:
+    return f"{row['mean']:{sign}.3f} [{row['ci_low']:{sign}.3f}, {row['ci_high']:{sign}.3f}]"
+
+
+def _markdown(out: dict[str, Any]) -> str:
+    seeds = out["seeds"]
+    lines = [f"Held-out success, calc, {out['episodes_per_stage']} greedy episodes per stage and seed; "
+             f"mean over seeds {seeds} with {out['interval']}.", "",
+             "| stage | success | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+             "|---|---|" + "---|" * len(seeds)]
+    for name, row in [*out["stages"].items(), *out["steps"].items()]:
+        sign = "+" if "-" in name else ""
+        lines.append(f"| {name} | {_fmt(row, sign)} | " + " | ".join(f"{v:{sign}.3f}" for v in row["per_seed"]) + " |")
+    lines += ["", f"Claim: {out['claim']}. Holds (both steps' intervals above 0): **{'yes' if out['holds'] else 'no'}**.",
+              f"Commit(s): {', '.join(out['commits'])}{' (with uncommitted changes)' if out['dirty'] else ''}.",
+              f"Command: `{out['command']}`", ""]
+    return "\n".join(lines)
+
+
+def _plot(out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for i, (name, row) in enumerate(out["stages"].items()):
+        err = [[row["mean"] - row["ci_low"]], [row["ci_high"] - row["mean"]]] if len(row["per_seed"]) > 1 else None
+        ax.bar(i, row["mean"], yerr=err, capsize=6, color=["#999999", "#4c72b0", "#dd8452"][i], alpha=0.8)
+        ax.scatter([i] * len(row["per_seed"]), row["per_seed"], color="black", s=12, zorder=3)
+    ax.set_xticks(range(len(out["stages"])), list(out["stages"]))
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("held-out success")
+    ax.set_title(f"closedloop demo, seeds {out['seeds']} (t 95% CI; dots: seeds)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+REPORT = StageKind(Report, _report, "per-stage means and paired steps over seeds, t-intervals")
