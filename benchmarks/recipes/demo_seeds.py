@@ -10,6 +10,32 @@ means; per step (SFT - base, GRPO - SFT): the mean paired difference with its t-
 claim holds when both differences' intervals lie above 0. The between-seed spread is the whole
 error bar: the episodes' binomial noise is inside each seed's mean, and a t-interval over
 ``n`` seeds is wide for small ``n`` (t(0.975, 2) = 4.30), which is the point.
+
+    closedloop recipe run benchmarks/recipes/demo_seeds.yaml                        # seeds 0,1,2
+    closedloop recipe run benchmarks/recipes/demo_seeds.yaml --set 'demo={sft_steps: 250}'
+
+Measured so far (not yet a multi-seed run: see below)
+-----------------------------------------------------
+Why SFT adds nothing with the demo's defaults: ``calc`` level 1 *is* the tiny model's warm-up
+task (same templates, same tools, same answer form; ``closedloop.evals.envs.calc``), so the base
+has already imitated about 1500 x 8 x 0.45 ~ 5,400 examples of exactly the expert's data before
+SFT shows it 12 x 16 = 192 more: the issue's 0.575 -> 0.570. SFT does add when the base has not
+been trained to saturation on the task, but GRPO from such an SFT model then collapses. One seed
+(0), greedy, held-out seeds from 10,000,000, base = the 500-step tiny model (``CLOSEDLOOP_TINY_MODEL``)::
+
+    closedloop demo --set model=hf:$TINY --set sft_steps=60 --set grpo_steps=1 --set eval_episodes=100
+      base 0.020 [0.006, 0.070]   SFT (60 steps, 200 experts) 0.090 [0.048, 0.162]          (Wilson 95%)
+    closedloop demo --set model=hf:$TINY --set sft_steps=250 --set expert_episodes=1000 --set grpo_steps=60
+      base 0.030 [0.014, 0.064]   SFT 0.385 [0.320, 0.454]   GRPO 0.045 [0.024, 0.083]      (200 episodes)
+
+GRPO (lr 3e-4, as the demo) from the 250-step SFT model: training success 0.33 at step 1, 0.05 by
+step 12-18, then a policy that answers at once without a tool call (mean turns 1.00): a wrong
+guess earns format 0.1 - turn cost 0.01 = 0.09, a wrong two-turn tool answer 0.08, and in groups
+where every episode fails, group-std scaling turns that 0.01 into a full-size advantage. With
+``--set grpo.grpo.scale_rewards=none`` (Dr. GRPO) training success fell the same way over the
+first 12 steps (0.33 -> 0.08) before the run was stopped; lower GRPO learning rates were started
+and not finished (the shared machine reached load 27). What was not tried: ``turn_cost: 0`` for
+the demo's environment (removes the guess's edge), and SFT at a lower peak learning rate.
 """
 
 from __future__ import annotations
