@@ -14,8 +14,8 @@ error bar: the episodes' binomial noise is inside each seed's mean, and a t-inte
     closedloop recipe run benchmarks/recipes/demo_seeds.yaml                        # seeds 0,1,2
     closedloop recipe run benchmarks/recipes/demo_seeds.yaml --set 'demo={sft_steps: 250}'
 
-Measured so far (not yet a multi-seed run: see below)
------------------------------------------------------
+Measured so far (single seeds; no multi-seed run yet)
+----------------------------------------------------
 Why SFT adds nothing with the demo's defaults: ``calc`` level 1 *is* the tiny model's warm-up
 task (same templates, same tools, same answer form; ``closedloop.evals.envs.calc``), so the base
 has already imitated about 1500 x 8 x 0.45 ~ 5,400 examples of exactly the expert's data before
@@ -33,9 +33,23 @@ step 12-18, then a policy that answers at once without a tool call (mean turns 1
 guess earns format 0.1 - turn cost 0.01 = 0.09, a wrong two-turn tool answer 0.08, and in groups
 where every episode fails, group-std scaling turns that 0.01 into a full-size advantage. With
 ``--set grpo.grpo.scale_rewards=none`` (Dr. GRPO) training success fell the same way over the
-first 12 steps (0.33 -> 0.08) before the run was stopped; lower GRPO learning rates were started
-and not finished (the shared machine reached load 27). What was not tried: ``turn_cost: 0`` for
-the demo's environment (removes the guess's edge), and SFT at a lower peak learning rate.
+first 12 steps (0.33 -> 0.08) before the run was stopped. Without the turn cost in GRPO's
+environment the guessing goes (mean turns stay 2.00) but GRPO still does not add (30 steps,
+100 held-out episodes: SFT 0.420 [0.328, 0.518], GRPO 0.360 [0.273, 0.458]; training success
+0.39 at step 3, 0.06-0.25 after)::
+
+    closedloop demo --set model=hf:$TINY --set sft_steps=1 --set expert_episodes=8 --set grpo_steps=30 \
+        --set eval_episodes=100 --set grpo.grpo.model=SFT_DIR --set eval.models.sft=SFT_DIR \
+        --set grpo.grpo.env_options.turn_cost=0          # SFT_DIR: the 250-step SFT model above
+
+Neither a lower GRPO learning rate (1e-4, turn cost 0, same SFT model: SFT 0.420, GRPO 0.390
+[0.300, 0.488]) nor a shorter SFT (100 steps: SFT 0.110 [0.063, 0.186], GRPO 0.080 [0.041, 0.150],
+lr 3e-4, turn cost 0) made GRPO add within 30 steps (all one seed, 100 held-out episodes). So no
+setting was found where base < SFT < GRPO; the demo's defaults are left as they were (there GRPO
+adds, SFT does not), and the seeds run above has not been made: 3 seeds x ~10 minutes did not fit
+the shared machine (load 10-27) before the deadline. The failures it leaves are copying errors (``multiply(14, 20)`` returns 280.0, the answer says
+250.0; ``9 times 5`` becomes ``multiply(9, 7)``): the 150k-parameter model's number copying, which
+the 1500-step base does better (0.575) than 500 warm-up steps + 250 SFT steps (0.385-0.420).
 """
 
 from __future__ import annotations
