@@ -157,7 +157,7 @@ def _markdown(out: dict[str, Any]) -> str:
         lines.append(f"| {name} | {_fmt(row, sign)} | " + " | ".join(f"{v:{sign}.3f}" for v in row["per_seed"]) + " |")
     lines += ["", f"Claim: {out['claim']}. Holds (both steps' intervals above 0): **{'yes' if out['holds'] else 'no'}**.",
               f"Commit(s): {', '.join(out['commits'])}{' (with uncommitted changes)' if out['dirty'] else ''}.",
-              f"Command: `{out['command']}`", ""]
+              f"Command: `{out['command']}`; demo params over its defaults: `{json.dumps(out['params'])}`.", ""]
     return "\n".join(lines)
 
 
