@@ -193,7 +193,7 @@ def train(model: ListwiseScorer, task: Task, cfg: Seed, rng: np.random.Generator
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
