@@ -15,7 +15,8 @@ Setup (one replicate per seed):
   words (one page per query), 1 if it holds one (4 pages), 0 otherwise. First stage: pages
   ordered by relevance + N(0, 1) noise (a weak dense retriever, as DSE is the paper's first stage).
 * **Model.** A listwise causal transformer (2 layers, width 64, 4 heads) over one window:
-  [page tokens of A][page tokens of B]…[query tokens]["["], where each page token is its patch
+  [query tokens][page tokens of A][page tokens of B]…[query tokens]["["] (the query first and last, as
+  in RankGPT's prompt, so that under the causal mask page tokens see it), where each page token is its patch
   vector projected plus the embedding of its label letter; the score of label i is the final
   position's hidden state times label i's embedding (a tied LM head restricted to the letters),
   so one forward scores the whole window, as the paper's first-token logits do.
@@ -123,7 +124,11 @@ class Task:
 
 
 class ListwiseScorer(nn.Module):
-    """One forward over a window: [pages with label embeddings][query]["["] -> a logit per label."""
+    """One forward over a window: [query][pages with label embeddings][query]["["] -> a logit per label.
+
+    The query comes first and again last, as in RankGPT's prompt ("...relevance to query: {query}",
+    the passages, then the query again): under the causal mask a page token sees the query only if
+    the query precedes it."""
 
     def __init__(self, cfg: Seed) -> None:
         super().__init__()
@@ -138,13 +143,14 @@ class ListwiseScorer(nn.Module):
         self.norm = nn.LayerNorm(cfg.width)
 
     def tokens(self, pages: torch.Tensor, query: torch.Tensor) -> int:
-        return pages.shape[-3] * pages.shape[-2] + query.shape[-2] + 1
+        return pages.shape[-3] * pages.shape[-2] + 2 * query.shape[-2] + 1
 
     def forward(self, pages: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         """pages (B, n, P, D) in window order, query (B, T, D) -> label logits (B, n)."""
         b, n, p, _ = pages.shape
         page_tokens = self.patch(pages) + self.labels.weight[:n, None, :]
-        x = torch.cat([page_tokens.reshape(b, n * p, -1), self.text(query), self.bracket.expand(b, 1, -1)], 1)
+        q = self.text(query)
+        x = torch.cat([q, page_tokens.reshape(b, n * p, -1), q, self.bracket.expand(b, 1, -1)], 1)
         mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
         h = self.norm(self.body(x, mask=mask, is_causal=True)[:, -1])
         return h @ self.labels.weight[:n].T
