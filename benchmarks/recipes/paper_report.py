@@ -1,6 +1,6 @@
 """The report stage of the paper-effect recipes (issue 29): seed replicates in, a verdict out.
 
-Each paper recipe (``ziprerank.yaml``, ``ag_repa.yaml``, ``phalar.yaml``, ``starcaster.yaml``, ...)
+Each paper recipe (``ziprerank.yaml``, ``ag_repa.yaml``; the others of issue 29 can reuse it)
 runs one stage per training seed. A seed is a whole replicate: fresh synthetic data, a fresh
 held-out set, fresh initialisations, every arm trained and evaluated on that seed's data. Each
 such stage returns::
