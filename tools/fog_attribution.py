@@ -11,7 +11,10 @@ then the top-K layers by Δ are aligned, with λ_k ∝ Δ_k. Why forward-only: a
 the most (high probe similarity) may *contribute* little to the output ("store–contribute
 dissociation"); knocking it out measures contribution directly, with K + 1 forward passes per
 batch instead of any training. Probe-then-intervene: the layer set is chosen once, before any
-phase-2 training, and then frozen (:class:`LayerSelection` is immutable).
+phase-2 training, and then frozen (:class:`LayerSelection` is immutable). Phase 2 (REPA on the
+selected layers): :func:`capture_blocks` records the selected blocks' outputs during the training
+forward and :func:`repa_loss` is the weighted alignment term added to the flow-matching loss
+(the experiment: ``benchmarks/recipes/ag_repa.yaml``).
 
 Works on any PyTorch module whose blocks map the residual stream to the residual stream (first
 positional argument in, first output out, tuples allowed, as in HF decoder layers). Properties:
@@ -38,7 +41,8 @@ from torch import nn
 from closedloop.tool import Tool, tool
 from closedloop.tool_models import ModelArg
 
-__all__ = ["skip_block", "fog_deltas", "select_layers", "LayerSelection", "find_blocks", "load_hf_stack", "TOOLS"]
+__all__ = ["skip_block", "fog_deltas", "select_layers", "LayerSelection", "find_blocks", "load_hf_stack",
+           "capture_blocks", "repa_loss", "TOOLS"]
 
 Normalize = Literal["topk", "all", "none"]
 
@@ -140,6 +144,51 @@ def select_layers(deltas: Sequence[float] | np.ndarray, k: int = 3, normalize: N
     if denom == 0:
         raise ValueError("all selected Δ are zero: no layer contributes, nothing to weight")
     return LayerSelection(tuple(int(i) for i in order), tuple(float(w) for w in top / denom), tuple(float(x) for x in d))
+
+
+@contextlib.contextmanager
+def capture_blocks(blocks: Sequence[nn.Module] | nn.ModuleList, layers: Iterable[int]):
+    """Inside the context, every forward stores block ℓ's output (the residual stream after it,
+    the first element of a tuple output) in the yielded dict under ℓ, with its graph: what REPA
+    aligns. Phase 2 of AG-REPA reads the layers of a frozen :class:`LayerSelection` this way."""
+    found: dict[int, torch.Tensor] = {}
+    handles = []
+    for layer in dict.fromkeys(int(i) for i in layers):
+        if not 0 <= layer < len(blocks):
+            raise ValueError(f"layer {layer} is not one of the {len(blocks)} blocks")
+
+        def hook(module, args, output, layer=layer):
+            found[layer] = output[0] if isinstance(output, tuple) else output
+
+        handles.append(blocks[layer].register_forward_hook(hook))
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def repa_loss(hidden: dict[int, torch.Tensor], teacher: torch.Tensor, projectors: dict[int, nn.Module] | Any,
+              selection: LayerSelection | tuple[Sequence[int], Sequence[float]]) -> torch.Tensor:
+    """REPA's alignment term Σ_k λ_k · mean(−cos(MLP_k(h_k), y)) over the selected layers.
+
+    ``hidden`` as :func:`capture_blocks` fills it; ``teacher`` y has the hidden states' leading
+    shape (…, D_teacher); ``projectors[k]`` maps block k's width to D_teacher (REPA: a small MLP,
+    trained with the model and dropped after training); ``selection`` gives the layers and their
+    λ (AG-REPA: λ_k ∝ FoG-A Δ_k; fixed-layer REPA: the chosen layers, usually one with λ = 1).
+    """
+    layers, weights = (selection.layers, selection.weights) if isinstance(selection, LayerSelection) else selection
+    if len(layers) != len(weights) or not len(layers):
+        raise ValueError(f"need one weight per layer and at least one layer, got {list(layers)} and {list(weights)}")
+    total = teacher.new_zeros(())
+    for layer, weight in zip(layers, weights):
+        if layer not in hidden:
+            raise KeyError(f"no hidden state captured for layer {layer} (capture it with capture_blocks)")
+        pred = projectors[layer](hidden[layer])
+        if pred.shape != teacher.shape:
+            raise ValueError(f"projector of layer {layer} gives {tuple(pred.shape)}, teacher is {tuple(teacher.shape)}")
+        total = total + float(weight) * -nn.functional.cosine_similarity(pred, teacher, dim=-1).mean()
+    return total
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:

@@ -38,7 +38,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Sequence
+from typing import Annotated, Any, Callable, Literal, Sequence
 
 import numpy as np
 import torch
@@ -49,7 +49,7 @@ from closedloop.artifacts import ArrayInput, ArtifactError, load_array
 from closedloop.tool import Tool, tool
 from closedloop.tool_models import ModelArg
 
-__all__ = ["LABELS", "ranking_prompt", "ListwiseReranker", "qi_ei_scores", "qi_ei_prune", "soft_targets",
+__all__ = ["LABELS", "ranking_prompt", "ListwiseReranker", "listwise_rerank", "n_windows", "qi_ei_scores", "qi_ei_prune", "soft_targets",
            "soft_ranking_loss", "ranknet_loss", "recall_at_k", "ndcg_at_k", "RankingExample",
            "load_ranking_set", "evaluate_ranking_set", "TOOLS"]
 
@@ -187,23 +187,32 @@ class ListwiseReranker:
 
     def rerank(self, query: str, candidates: Sequence[Any]) -> tuple[list[int], list[float] | None]:
         """A permutation of range(len(candidates)), best first; the scores when one window sufficed."""
-        n = len(candidates)
-        if n == 0:
-            raise ValueError("no candidates to rerank")
-        if n <= self.window:
-            s = self.score_window(query, candidates)
-            return [int(i) for i in torch.argsort(s, descending=True, stable=True)], s.tolist()
-        order = list(range(n))
-        end = n
-        while True:
-            start = max(0, end - self.window)
-            idx = order[start:end]
-            s = self.score_window(query, [candidates[i] for i in idx])
-            order[start:end] = [idx[int(j)] for j in torch.argsort(s, descending=True, stable=True)]
-            if start == 0:
-                break
-            end -= self.stride
-        return order, None
+        return listwise_rerank(lambda idx: self.score_window(query, [candidates[i] for i in idx]),
+                               len(candidates), self.window, self.stride)
+
+
+def listwise_rerank(score: Callable[[list[int]], torch.Tensor], n: int, window: int,
+                    stride: int) -> tuple[list[int], list[float] | None]:
+    """Rerank n candidates with ``score(indices)`` (one listwise forward: a score per index, in
+    order): one call when n ≤ window, else RankGPT's windows sliding from the tail to the head by
+    ``stride``, each window's order written back before the next. Returns (permutation, best first;
+    the scores when one window sufficed). Any listwise scorer uses it, e.g. a toy model in training."""
+    if n == 0:
+        raise ValueError("no candidates to rerank")
+    if n <= window:
+        s = score(list(range(n)))
+        return [int(i) for i in torch.argsort(s, descending=True, stable=True)], s.tolist()
+    order = list(range(n))
+    end = n
+    while True:
+        start = max(0, end - window)
+        idx = order[start:end]
+        s = score(idx)
+        order[start:end] = [idx[int(j)] for j in torch.argsort(s, descending=True, stable=True)]
+        if start == 0:
+            break
+        end -= stride
+    return order, None
 
 
 def n_windows(n: int, window: int, stride: int) -> int:

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from closedloop.tool import ToolRegistry
-from closedloop.tools.fog_attribution import TOOLS, fog_deltas, find_blocks, select_layers, skip_block
+from closedloop.tools.fog_attribution import (TOOLS, LayerSelection, capture_blocks, fog_deltas, find_blocks, repa_loss,
+                                             select_layers, skip_block)
 
 
 class Block(nn.Module):
@@ -130,3 +131,34 @@ def test_tool_errors_are_clear(tiny_model_path):
     bad = asyncio.run(reg.get("fog_select_layers").run({"deltas": [0.1, -1.0], "k": 1}))
     assert not bad.ok and "non-negative" in bad.error
     assert len(find_blocks(Stack([1.0, 1.0, 1.0]))) == 3
+
+
+def test_capture_blocks_records_the_selected_outputs_with_their_graph_and_unhooks():
+    torch.manual_seed(0)
+    stack = Stack([1.0, 1.0, 1.0])
+    x = torch.randn(5, 8)
+    with capture_blocks(stack.blocks, [2, 0, 2]) as found:
+        stack(x)
+    assert sorted(found) == [0, 2] and found[0].requires_grad
+    assert torch.allclose(found[0], stack.blocks[0](x))
+    assert all(not b._forward_hooks for b in stack.blocks)  # nothing left behind
+    with pytest.raises(ValueError, match="layer 3"):
+        with capture_blocks(stack.blocks, [3]):
+            pass
+
+
+def test_repa_loss_is_the_lambda_weighted_negative_cosine():
+    torch.manual_seed(0)
+    hidden = {1: torch.randn(6, 8), 4: torch.randn(6, 8)}
+    teacher = torch.randn(6, 3)
+    proj = {1: nn.Linear(8, 3), 4: nn.Linear(8, 3)}
+    sel = LayerSelection((4, 1), (0.75, 0.25), (0.0,) * 5)
+    expected = sum(w * -nn.functional.cosine_similarity(proj[k](hidden[k]), teacher, dim=-1).mean()
+                   for k, w in ((4, 0.75), (1, 0.25)))
+    assert torch.allclose(repa_loss(hidden, teacher, proj, sel), expected)
+    assert torch.allclose(repa_loss(hidden, teacher, proj, ((1,), (1.0,))),
+                          -nn.functional.cosine_similarity(proj[1](hidden[1]), teacher, dim=-1).mean())
+    with pytest.raises(KeyError, match="layer 2"):
+        repa_loss(hidden, teacher, {2: proj[1]}, ((2,), (1.0,)))
+    with pytest.raises(ValueError, match="one weight per layer"):
+        repa_loss(hidden, teacher, proj, ((1, 4), (1.0,)))
