@@ -27,11 +27,7 @@ KNOWN_CYCLE_EDGES = {
 }
 
 # Imports against the layers (core ← tools, memory ← agents ← graphs ← evals ← trainers; ui ← cli on top).
-KNOWN_LAYER_EDGES = {
-    # the core's OTLP export reuses the viewer's trace layout
-    ("closedloop.telemetry.otlp", "closedloop.ui"),
-    ("closedloop.telemetry.otlp", "closedloop.ui.trace"),
-}
+KNOWN_LAYER_EDGES: set[tuple[str, str]] = set()
 
 
 
