@@ -657,9 +657,9 @@ class ToolRegistry:
 
     def register(self, t: Tool) -> Tool:
         if not isinstance(t, Tool):  # a LangChain tool is converted; anything else is a clear TypeError
-            from closedloop.langchain_tools import coerce_tool
+            from closedloop.tool_functions import langchain_tool_keywords
 
-            t = coerce_tool(t)
+            t = Tool(**langchain_tool_keywords(t))
         if t.name in self.tools and self.tools[t.name] is not t:
             raise ToolDefinitionError(f"a tool named {t.name!r} is already registered")
         self.tools[t.name] = t
