@@ -380,13 +380,13 @@ class Tool:
         from closedloop.paths import ROOTS_ENV, working_roots
 
         from closedloop.redact import is_sensitive_key
-        from closedloop.tool_models import MODELS_ENV, allowed_models
+        from closedloop.tool_model_entries import MODELS_ENV, given_entries
 
         env = {k: v for k, v in os.environ.items()
                if (k.startswith("CLOSEDLOOP_") or k in _CHILD_ENV) and not is_sensitive_key(k)}
         env.update({"CLOSEDLOOP_ARTIFACTS": str(artifacts), "CLOSEDLOOP_HOME": str(settings.home.resolve()),
                     ROOTS_ENV: os.pathsep.join(str(r) for r in working_roots()),
-                    MODELS_ENV: ",".join(allowed_models())})  # what this process allows, --allow-model included
+                    MODELS_ENV: ",".join(given_entries())})  # --allow-model included; the child checks them
         wall = self.timeout_s or 24 * 3600.0
         limits = SandboxLimits(wall_s=wall, cpu_s=None, memory_mb=self.memory_mb, env=env,
                                writable_paths=[str(artifacts)], file_size_mb=1024)
@@ -657,9 +657,9 @@ class ToolRegistry:
 
     def register(self, t: Tool) -> Tool:
         if not isinstance(t, Tool):  # a LangChain tool is converted; anything else is a clear TypeError
-            from closedloop.langchain_tools import coerce_tool
+            from closedloop.tool_functions import langchain_tool_keywords
 
-            t = coerce_tool(t)
+            t = Tool(**langchain_tool_keywords(t))
         if t.name in self.tools and self.tools[t.name] is not t:
             raise ToolDefinitionError(f"a tool named {t.name!r} is already registered")
         self.tools[t.name] = t

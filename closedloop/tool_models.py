@@ -25,22 +25,22 @@ the allowed entries (an MCP client must not learn the operator's endpoints).
 
 from __future__ import annotations
 
-import os
 import re
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Annotated
 
 from pydantic import AfterValidator
 
+from closedloop import tool_model_entries
+from closedloop.tool_model_entries import MODELS_ENV
+
 if TYPE_CHECKING:
     from closedloop.models import ModelSpec
 
 __all__ = ["MODELS_ENV", "ModelArg", "ModelNotAllowed", "allow_model", "allowed_models", "check_model"]
 
-MODELS_ENV = "CLOSEDLOOP_TOOL_MODELS"
 _LOCAL_BACKENDS = ("hf", "vllm")
 _MAX_SPEC = 4200  # a backend, a path of at most 4096 characters, a URL
-_ADDED: list[str] = []  # entries given on a command line for this process (``--allow-model``)
 # A hub id: ``name`` or ``org/name``, never something a filesystem would read as a path.
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
 
@@ -52,20 +52,14 @@ class ModelNotAllowed(ValueError):
 def allow_model(entry: str) -> str:
     """Allow one more entry for the rest of this process (what ``--allow-model`` does)."""
     entry = _checked_entry(entry)
-    if entry not in _ADDED:
-        _ADDED.append(entry)
+    if entry not in tool_model_entries.ADDED:
+        tool_model_entries.ADDED.append(entry)
     return entry
 
 
 def allowed_models() -> list[str]:
     """The operator's entries: ``$CLOSEDLOOP_TOOL_MODELS`` and those added with :func:`allow_model`."""
-    entries = [e.strip() for e in os.environ.get(MODELS_ENV, "").split(",") if e.strip()]
-    out: list[str] = []
-    for e in [*entries, *_ADDED]:
-        e = _checked_entry(e)
-        if e not in out:
-            out.append(e)
-    return out
+    return [_checked_entry(e) for e in tool_model_entries.given_entries()]
 
 
 def _checked_entry(entry: str) -> str:

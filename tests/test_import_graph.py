@@ -18,21 +18,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Cycles being untangled by their owners (issue 27, point 7); one edge per cycle, the one that goes
 # against the intended order, so removing the listed edges leaves no cycle.
-KNOWN_CYCLE_EDGES = {
-    # tool ⇄ langchain_tools: the LangChain interop
-    # (graphs-as-data rework).
-    ("closedloop.tool", "closedloop.langchain_tools"),
-    # tool → tool_models → models → plugins → tool.
-    ("closedloop.tool", "closedloop.tool_models"),
-}
+KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 # Imports against the layers (core ← tools, memory ← agents ← graphs ← evals ← trainers; ui ← cli on top).
-KNOWN_LAYER_EDGES = {
-    # the core's OTLP export reuses the viewer's trace layout
-    ("closedloop.telemetry.otlp", "closedloop.ui"),
-    ("closedloop.telemetry.otlp", "closedloop.ui.trace"),
-}
-
+KNOWN_LAYER_EDGES: set[tuple[str, str]] = set()
 
 
 def _load_script():

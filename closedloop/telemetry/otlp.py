@@ -43,8 +43,8 @@ def make_exporter(endpoint: str | None = None, timeout_s: float | None = None) -
 
 def record_spans(run: RunRecord, *, trace_id: int, parent: int | None, content: bool) -> list[ReadableSpan]:
     """The run's own span, then one per turn and tool call, laid end to end from the run's start
-    in the order :func:`closedloop.ui.trace.build_trace` gives (recorded latencies)."""
-    from closedloop.ui.trace import build_trace
+    in the order :func:`closedloop.trace_layout.build_trace` gives (recorded latencies)."""
+    from closedloop.trace_layout import build_trace
 
     start = to_ns(run.started_at)
     end = to_ns(run.ended_at or run.updated_at)

@@ -8,10 +8,11 @@ the SVG (metric names, tool names) goes through :func:`markupsafe.escape`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 from markupsafe import Markup, escape
+
+from closedloop.trace_layout import WaterfallRow
 
 __all__ = ["ema", "line_chart", "histogram", "bars", "waterfall", "WaterfallRow"]
 
@@ -124,15 +125,6 @@ def bars(title: str, items: Sequence[tuple[str, float]], *, width: int = 360, he
                      f'<text class="tick" x="{left + pw}" y="{height - 6}" text-anchor="end">{escape(axis[1])}</text>')
     parts.append("</svg>")
     return Markup("".join(parts))
-
-
-@dataclass
-class WaterfallRow:
-    label: str
-    start_s: float
-    duration_s: float
-    kind: str  # "turn" | "tool" | "error"
-    anchor: str  # the step's id on the page
 
 
 def waterfall(rows: Sequence[WaterfallRow], *, width: int = 900, row_h: int = 16) -> Markup:

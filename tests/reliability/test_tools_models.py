@@ -13,7 +13,7 @@ import re
 import pytest
 from pydantic import TypeAdapter
 
-import closedloop.tool_models as tool_models
+import closedloop.tool_model_entries as tool_model_entries
 from closedloop import plugins
 from closedloop.tool_models import MODELS_ENV, ModelNotAllowed, allow_model, allowed_models, check_model
 
@@ -36,7 +36,7 @@ def layout(tmp_path, monkeypatch):
     monkeypatch.setenv("CLOSEDLOOP_ARTIFACTS", str(work / "artifacts"))
     monkeypatch.delenv("CLOSEDLOOP_WORKING_ROOTS", raising=False)  # only work/ and its artifacts
     monkeypatch.delenv(MODELS_ENV, raising=False)
-    monkeypatch.setattr(tool_models, "_ADDED", [])
+    monkeypatch.setattr(tool_model_entries, "ADDED", [])
     return work, outside
 
 
