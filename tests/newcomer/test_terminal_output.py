@@ -14,7 +14,9 @@ import struct
 import subprocess
 import sys
 import termios
+import types
 
+from closedloop import terminal
 from closedloop.terminal import JobProgress, format_metrics, make_console
 
 
@@ -34,7 +36,24 @@ def test_a_log_gets_one_unwrapped_line_per_item_from_the_first():
     lines = log.getvalue().splitlines()
     assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"]
     assert len(lines[0]) > 200 and "metric_11 1.5714" in lines[0]  # one line, however long
-    assert "eta" in lines[0] and "eta" not in lines[-1]
+    assert "eta" in lines[1] and "eta" not in lines[-1]
+
+
+def test_the_eta_is_measured_from_the_first_item(monkeypatch):
+    """Set-up time (100 s before the first item) and items done before a resume are not in the rate;
+    the first item's own line has no rate to show."""
+    clock = [0.0]
+    monkeypatch.setattr(terminal, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    for done, total, expected in ((0, 5, "eta 0:00:30"), (2, 6, "eta 0:00:20")):
+        log = io.StringIO()
+        clock[0] = 0.0
+        with JobProgress("job", total, done=done, stream=log) as progress:
+            clock[0] = 100.0
+            progress.advance()
+            clock[0] = 110.0
+            progress.advance()
+        first, second = log.getvalue().splitlines()
+        assert "eta" not in first and expected in second, (first, second)
 
 
 def test_a_log_line_every_n_items_and_for_the_last():
