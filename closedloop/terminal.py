@@ -108,7 +108,8 @@ class JobProgress:
         self._console = console
         self._start = time.monotonic()
         # The rate (hence the ETA) is measured from the first item done in this process: set-up time
-        # before it (loading, tokenising) and items done before (a resumed job) are not in it.
+        # before it (loading, tokenising) and items done before (a resumed job) are not in it. The
+        # clock and the count start when that item is done, so its line has no ETA (as rich's bar).
         self._first: tuple[float, int] | None = None
         self._progress: Any = None
         self._task: Any = None
@@ -148,8 +149,8 @@ class JobProgress:
     def update(self, done: int | None = None, **metrics: Any) -> None:
         """Set the count (and metrics); a log gets the progress line."""
         if done is not None:
-            if self._first is None:
-                self._first = (time.monotonic(), self.done)
+            if self._first is None and done > self.done:
+                self._first = (time.monotonic(), done)
             self.done = done
         self.metrics.update(metrics)
         if self._progress is not None:

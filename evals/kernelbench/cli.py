@@ -10,6 +10,10 @@ with the same ``--name``. ``--executor ray [--ray-address ADDR]`` runs the sampl
 (one GPU each on cuda; on cpu a CPU slot and the node's ``cpu_timing`` slot, which a joined
 cluster's nodes declare with ``ray start --resources '{"cpu_timing": 1}'``); verdicts come back
 here and are written exactly as locally. Registered through the ``closedloop.benchmarks`` entry point.
+
+Progress goes to stderr through :class:`closedloop.terminal.JobProgress`: a live bar on a terminal;
+in a log one line per sample as it finishes (which sample, its status and speedup, the correct
+count so far), so a long run can be followed with ``tail -f``. The summary goes to stdout.
 """
 
 from __future__ import annotations
@@ -80,7 +84,6 @@ def handle(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.markup import escape
 
     from closedloop.evals.harness import executor_config_from_args, make_executor
@@ -89,6 +92,7 @@ async def _run(args: argparse.Namespace) -> int:
     from closedloop.evals.kernelbench.runner import (CPU_TIMING, KernelBenchSettings,
                                                      sample_resources, settings_agent)
     from closedloop.store import RunStore
+    from closedloop.terminal import make_console
 
     source = args.candidate_source or ("files" if args.candidates else "agent")
     if source == "reference":
@@ -104,12 +108,12 @@ async def _run(args: argparse.Namespace) -> int:
         raise ValueError("--samples and --concurrency must be at least 1")
     executor_config = executor_config_from_args(args)
     ok, why = backend_available(args.backend)
-    err = Console(stderr=True, highlight=False)
+    err = make_console(stderr=True)
     if not ok:
         err.print(f"[yellow]note[/]: backend {args.backend}: {escape(why)}")
     problems = load_problems(args.problems, level=args.level, ids=args.problem_ids)
     sha = hashlib.sha256("".join(p.key + p.hash for p in problems).encode()).hexdigest()[:16]
-    label = args.agent or ("reference" if source == "reference" else "candidates")
+    label = args.agent or _SOURCE_LABELS[source]
     name = args.name or f"kernelbench-{args.backend}-{label}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     settings = KernelBenchSettings(
         name=name, problems_dir=str(args.problems), problems_sha=sha, level=args.level, backend=args.backend,
@@ -139,53 +143,63 @@ async def _run(args: argparse.Namespace) -> int:
 
 async def _evaluate(args: argparse.Namespace, settings: Any, problems: list[Any], store: Any, agent: Any,
                     executor: Any, err: Any) -> int:
-    from rich.console import Console
     from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from closedloop.evals.kernelbench.export import plot_speedups, write_eval_results
     from closedloop.evals.kernelbench.runner import KernelBenchRunner
+    from closedloop.terminal import JobProgress, make_console
 
     name = settings.name
-    progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("correct {task.fields[correct]}"), TimeElapsedColumn(), console=err)
-    bar: dict[str, Any] = {"correct": 0}
+    no_agent = settings.source() != "agent"  # candidate files or the references: no agent to blame
+    title = f"kernelbench {settings.backend} {settings.agent or _SOURCE_LABELS[settings.source()]}"
+    progress: dict[str, JobProgress] = {}
+    correct = {"n": 0}
 
-    def on_plan(total: int, reused: int) -> None:
-        bar["id"] = progress.add_task(f"kernelbench {args.backend}", total=total, completed=reused, correct="-")
+    def on_plan(total: int, reused: int) -> None:  # the progress opens once the store has said what it holds
+        if reused:
+            correct["n"] = sum(r.correct for r in runner.stored_results()[0])
+        progress["job"] = JobProgress(title, total, done=reused, unit="samples").__enter__()
+        if reused:
+            progress["job"].note(f"{title}: {reused} of {total} samples already in the store "
+                                 f"({correct['n']} correct)")
 
     def on_sample(so) -> None:
-        if so.result is not None and so.result.correct:
-            bar["correct"] += 1
-        progress.update(bar["id"], advance=1, correct=bar["correct"])
+        correct["n"] += so.result is not None and so.result.correct
+        progress["job"].advance(**_sample_metrics(so, no_agent), correct=correct["n"])
 
     runner = KernelBenchRunner(settings, problems, store, agent=agent, on_sample=on_sample, on_plan=on_plan,
                                executor=executor)
     try:
-        with progress:
-            report = await runner.run(resume=args.resume)
+        report = await runner.run(resume=args.resume)
     except (KeyboardInterrupt, asyncio.CancelledError):
+        if "job" in progress:
+            progress["job"].close()
         err.print(f"[yellow]interrupted[/]: finished samples are stored; resume with [bold]--name {escape(name)}[/]")
         raise KeyboardInterrupt from None
     finally:
+        if "job" in progress:
+            progress["job"].close()
         client = getattr(agent, "client", None)
         if client is not None:
             await client.aclose()
-    out = Console(width=None if sys.stdout.isatty() else 120, highlight=False)
+    out = make_console()
     s = report.summary
     table = Table(title=escape(f"KernelBench {report.name}" + (" (resumed)" if report.resumed else "")),
                   show_header=False, caption=escape(f"run {report.parent_id} in {store.path}"))
     table.add_row("samples", f"{len(report.results)} graded of {report.total} (ran {report.ran}, from store "
                              f"{report.reused}) in {report.wall_s:.1f}s; scale {settings.scale:g}")
-    no_agent = settings.source() != "agent"  # candidate files or the references: no agent to blame
     table.add_row("outcomes", ", ".join(f"{_outcome_label(k, no_agent)}: {v}"
                                         for k, v in sorted(report.outcomes.items())) or "-")
     table.add_row("statuses", ", ".join(f"{k}: {v}" for k, v in s["statuses"].items()) or "-")
     table.add_row("fast_p", "  ".join(f"{k}={v:.3f}" for k, v in s["fast_p"].items()) if report.results
                   else "- (nothing graded)")
     gm = s.get("geomean_speedup")
-    table.add_row("geomean speedup", "-" if gm is None else f"{gm:.3f}x over eager torch (correct samples)")
+    if gm is not None:
+        table.add_row("geomean speedup", f"{gm:.3f}x over eager torch (correct samples with a stable timing)")
+    else:
+        table.add_row("geomean speedup", "- (no correct sample with a stable timing)" if s["statuses"].get("correct")
+                      else "-")
     for key in (k for k in s if k.startswith("pass@")):
         table.add_row(key, "-" if s[key] is None else f"{s[key]:.3f}")
     if s["suspicious"]:
@@ -205,6 +219,23 @@ async def _evaluate(args: argparse.Namespace, settings: Any, problems: list[Any]
             p = plot_speedups(report.results, args.plot)
             out.print(f"plot: {escape(str(p))}" if p else "plot: matplotlib is not installed; nothing written")
     return 0
+
+
+#: How a run without an agent is named (its default ``--name``, its progress line).
+_SOURCE_LABELS = {"reference": "reference", "files": "candidates", "agent": "agent"}
+
+
+def _sample_metrics(so: Any, no_agent: bool) -> dict[str, Any]:
+    """What a sample's progress line says about it: which sample, its verdict (the judge's status, or
+    why there is none: a timeout, the agent's or the candidate file's error) and its speedup."""
+    result = so.result
+    if result is None or result.speedup is None:
+        speedup = "-"
+    else:  # an unstable timing is shown but, as the summary says, not in the geomean or fast_p
+        speedup = f"{result.speedup:.2f}x" + (" (unstable)" if result.timing_unstable else "")
+    return {"sample": f"{so.problem.key}#{so.sample_id}",
+            "status": result.status if result is not None else _outcome_label(so.outcome, no_agent),
+            "speedup": speedup}
 
 
 def _outcome_label(outcome: str, no_agent: bool) -> str:
