@@ -76,8 +76,6 @@ def handle(args: argparse.Namespace) -> int:
 
     try:
         spec = parse_spec(args.model)
-        if spec.backend in ("hf", "vllm"):
-            locate_checkpoint(spec.model)  # before an engine process starts loading it
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -97,6 +95,12 @@ def handle(args: argparse.Namespace) -> int:
         err = e.errors()[0]
         print(f"error: {flags.get(str(err['loc'][0]), err['loc'][0])} {err['msg'].lower()}", file=sys.stderr)
         return 2
+    if spec.backend in ("hf", "vllm"):  # after the flags (cheap), before an engine process starts loading it
+        try:
+            locate_checkpoint(spec.model)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     kwargs = {}
     if spec.backend == "hf":
         if args.max_batch_size is not None:

@@ -47,8 +47,13 @@ def test_the_last_line_of_grpo_says_its_steps(tmp_path):
 
 
 SCRIPT = textwrap.dedent("""
+    import sys
+
     from closedloop.trainers.common import fewer_processes_warning, world_size
-    print("world", world_size(), "warning", fewer_processes_warning(), flush=True)
+
+    # one write per line: two processes share the pipe, and print() writes its pieces one by one
+    sys.stdout.write(f"world {world_size()} warning {fewer_processes_warning()}\\n")
+    sys.stdout.flush()
 """)
 
 
